@@ -1,0 +1,138 @@
+"""Argument checking shared by every public KDA op.
+
+Each failure raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong
+value or shape) naming the argument, what was expected and what was got. Nothing
+here modifies an input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class KDAShape:
+    """Sizes read off validated inputs."""
+
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int  # number of sequences (B, or len(cu_seqlens) - 1)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _check_tensor(name: str, t, ndim: int, dtypes=FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got {t.dim()}-D tensor of shape {_shape(t)}")
+
+
+def validate_kda_inputs(
+    q, k, v, g, beta, *,
+    scale,
+    initial_state,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+    safe_gate: bool,
+    lower_bound,
+    A_log,
+    dt_bias,
+    state_v_first: bool,
+    cu_seqlens,
+) -> KDAShape:
+    """Check the full ``chunk_kda`` / ``fused_recurrent_kda`` contract (SPEC §2)."""
+    _check_tensor("q", q, 4)
+    _check_tensor("k", k, 4)
+    _check_tensor("v", v, 4)
+    _check_tensor("g", g, 4)
+    _check_tensor("beta", beta, 3)
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {_shape(q)} [B, T, H, K], got {_shape(k)}")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, HV, V] with B={B}, T={T} (from q), got {_shape(v)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise ValueError(f"v's head count HV must be a multiple of q's head count H={H}, got HV={HV}")
+    if K == 0 or V == 0 or H == 0:
+        raise ValueError(f"head count and head dims must be positive, got H={H}, K={K}, V={V}")
+    if g.shape != (B, T, HV, K):
+        raise ValueError(f"g must have shape [B, T, HV, K] = [{B}, {T}, {HV}, {K}], got {_shape(g)}")
+    if beta.shape != (B, T, HV):
+        raise ValueError(f"beta must have shape [B, T, HV] = [{B}, {T}, {HV}], got {_shape(beta)}")
+
+    dev = q.device
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                    ("A_log", A_log), ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens)):
+        if t is not None and isinstance(t, torch.Tensor) and t.device != dev:
+            raise ValueError(f"{name} must be on q's device {dev}, got {t.device}")
+
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True, got False")
+
+    if lower_bound is not None:
+        if not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
+        if safe_gate and not (-5.0 <= lower_bound < 0.0):
+            raise ValueError(f"lower_bound must be in the safe range [-5, 0) with safe_gate=True, got {lower_bound}")
+    if use_gate_in_kernel:
+        if A_log is None and lower_bound is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log (or lower_bound), got A_log=None and lower_bound=None")
+        if safe_gate and lower_bound is None:
+            raise ValueError("safe_gate=True with use_gate_in_kernel=True needs lower_bound in [-5, 0), got None")
+    if A_log is not None:
+        _check_tensor("A_log", A_log, 1, (torch.float32, torch.float64))
+        if A_log.shape[0] != HV:
+            raise ValueError(f"A_log must have shape [HV] = [{HV}], got {_shape(A_log)}")
+    if dt_bias is not None:
+        _check_tensor("dt_bias", dt_bias, 1, (torch.float32, torch.float64))
+        if dt_bias.shape[0] != HV * K:
+            raise ValueError(f"dt_bias must have shape [HV * K] = [{HV * K}], got {_shape(dt_bias)}")
+
+    N = B
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must have an integer dtype (int32 or int64), got {str(cu_seqlens.dtype).replace('torch.', '')}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {_shape(cu_seqlens)}")
+        if B != 1:
+            raise ValueError(f"the batch size B must be 1 with cu_seqlens (packed sequences), got B={B}")
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+        if any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+        if cu[-1] != T:
+            raise ValueError(f"cu_seqlens must end at T={T} (q.shape[1]), got {cu[-1]}")
+        N = len(cu) - 1
+
+    if initial_state is not None:
+        _check_tensor("initial_state", initial_state, 4, STATE_DTYPES)
+        want = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        layout = "[N, HV, V, K] (state_v_first=True)" if state_v_first else "[N, HV, K, V]"
+        if tuple(initial_state.shape) != want:
+            raise ValueError(
+                f"initial_state must have shape {layout} = {list(want)} for {N} sequence(s), got {_shape(initial_state)}"
+            )
+    return KDAShape(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
