@@ -99,12 +99,14 @@ def validate_kda_inputs(
             raise ValueError("use_gate_in_kernel=True needs A_log (or lower_bound), got A_log=None and lower_bound=None")
         if safe_gate and lower_bound is None:
             raise ValueError("safe_gate=True with use_gate_in_kernel=True needs lower_bound in [-5, 0), got None")
+    # Gate parameters are fp32 (float64 only alongside float64 tokens, for reference checks).
+    param_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
     if A_log is not None:
-        _check_tensor("A_log", A_log, 1, (torch.float32, torch.float64))
+        _check_tensor("A_log", A_log, 1, param_dtypes)
         if A_log.shape[0] != HV:
             raise ValueError(f"A_log must have shape [HV] = [{HV}], got {_shape(A_log)}")
     if dt_bias is not None:
-        _check_tensor("dt_bias", dt_bias, 1, (torch.float32, torch.float64))
+        _check_tensor("dt_bias", dt_bias, 1, param_dtypes)
         if dt_bias.shape[0] != HV * K:
             raise ValueError(f"dt_bias must have shape [HV * K] = [{HV * K}], got {_shape(dt_bias)}")
 

@@ -1,0 +1,164 @@
+"""Public chunked KDA: ``kdakit.chunk_kda``, a drop-in for ``fla.ops.kda.chunk_kda`` (FLA 0.6.0).
+
+Validates the arguments (SPEC §2), then runs the Triton kernels (CUDA tensors, or CPU
+tensors under ``TRITON_INTERPRET=1`` with ``KDAKIT_BACKEND=triton``) or the chunked
+PyTorch reference (CPU tensors, or ``KDAKIT_BACKEND=torch``). See
+``kdakit/ops/kda/backend.py`` for the selection rule; there is no silent fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdakit.ops.kda.backend import select_backend
+from kdakit.ops.kda.chunk_reference import chunked_kda_reference
+from kdakit.ops.kda.validate import validate_kda_inputs
+
+# FLA 0.6.0 options kdakit does not implement; each raises if set to a non-default value.
+_UNSUPPORTED_FLA_OPTIONS = {
+    "disable_recompute": False,
+    "return_intermediate_states": False,
+    "cp_context": None,
+    "use_graph": False,
+    "max_num_seqs": None,
+}
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    checkpoint_every_n_tokens: int | None = None,
+    state_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Kimi Delta Attention, chunked, with FLA 0.6.0's arguments and semantics.
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries and keys (fp16/bf16/fp32/fp64).
+        v: ``[B, T, HV, V]`` values; HV a multiple of H (value head i uses q/k head ``i // (HV // H)``).
+        g: ``[B, T, HV, K]`` log-decay, or the raw gate when ``use_gate_in_kernel``.
+        beta: ``[B, T, HV]`` beta, or its logits when ``use_beta_sigmoid_in_kernel``.
+        scale: output scale, default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), fp32 or bf16.
+        output_final_state: also return the final state (fp32, same layout).
+        use_qk_l2norm_in_kernel: l2-normalize q and k (``x / sqrt(sum x^2 + 1e-6)``).
+        use_gate_in_kernel: ``g`` is raw: ``-exp(A_log) * softplus(g + dt_bias)``, or
+            ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` when ``lower_bound`` is set.
+        use_beta_sigmoid_in_kernel: beta is ``sigmoid(beta)``; ``allow_neg_eigval`` doubles it.
+        safe_gate: the gate is bounded below by ``lower_bound`` in [-5, 0) (enables the
+            factorized fast path in the Triton kernels).
+        state_v_first: states use the value-first ``[V, K]`` layout.
+        cu_seqlens: int ``[N + 1]`` offsets of packed sequences (B must be 1); zero-length
+            sequences are legal.
+        cu_seqlens_cpu: accepted for FLA compatibility; unused (kdakit reads ``cu_seqlens``).
+        disable_recompute, return_intermediate_states, cp_context, use_graph, max_num_seqs:
+            FLA options kdakit does not implement; setting one raises ``ValueError``.
+
+    kdakit-only keyword arguments:
+        A_log: ``[HV]`` fp32 gate parameter (FLA passes it through ``**kwargs``).
+        dt_bias: ``[HV * K]`` fp32 gate bias.
+        chunk_size: chunk length of the PyTorch path (default 16); the Triton path always
+            uses 16. The result does not depend on it beyond round-off.
+        checkpoint_every_n_tokens: cadence of the state checkpoints saved for backward;
+            None lets the plan choose (see ``kdakit.plan_kda``).
+        state_indices: int32 ``[N]`` rows of a state pool. With it, ``initial_state`` is the
+            pool ``[P, HV, ...]`` shared with ``kdakit.kda_decode``; row ``state_indices[n]``
+            is sequence n's initial state and receives its final state in place; ``-1`` marks
+            a padded sequence (zero initial state, pool untouched). The pool itself is not
+            differentiated.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (float64
+        for float64 inputs) or None.
+    """
+    fla_opts = {"disable_recompute": disable_recompute, "return_intermediate_states": return_intermediate_states,
+                "cp_context": cp_context, "use_graph": use_graph, "max_num_seqs": max_num_seqs}
+    for name, default in _UNSUPPORTED_FLA_OPTIONS.items():
+        if fla_opts[name] != default:
+            raise ValueError(f"{name} is an FLA option kdakit does not implement: expected {default!r}, got {fla_opts[name]!r}")
+    if chunk_size is not None and chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+    if checkpoint_every_n_tokens is not None:
+        if not isinstance(checkpoint_every_n_tokens, int) or checkpoint_every_n_tokens <= 0:
+            raise ValueError(f"checkpoint_every_n_tokens must be a positive int or None, got {checkpoint_every_n_tokens!r}")
+
+    pool = None
+    if state_indices is not None:
+        pool, initial_state = initial_state, _gather_pool(initial_state, state_indices, q, v, state_v_first)
+
+    shape = validate_kda_inputs(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+        A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+    )
+    if scale is None:
+        scale = shape.K ** -0.5
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
+    out_state = output_final_state or pool is not None
+    kwargs = dict(
+        scale=float(scale), A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+        output_final_state=out_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound if use_gate_in_kernel else None,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+    )
+    backend = select_backend(q.device)
+    if backend == "triton":
+        from kdakit.ops.kda.chunk_triton import chunk_kda_triton
+
+        o, final = chunk_kda_triton(q, k, v, g, beta, safe_gate=safe_gate, **kwargs)
+    else:
+        o, final = chunked_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+    if pool is not None:
+        _scatter_pool(pool, final, state_indices)
+    return o, (final if output_final_state else None)
+
+
+def _gather_pool(pool, state_indices, q, v, state_v_first):
+    if not isinstance(pool, torch.Tensor):
+        raise ValueError("state_indices needs initial_state to be the state pool [P, HV, ...], got None")
+    if not isinstance(state_indices, torch.Tensor) or state_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"state_indices must be an int32 tensor, got {getattr(state_indices, 'dtype', type(state_indices).__name__)}")
+    if state_indices.dim() != 1:
+        raise ValueError(f"state_indices must be 1-D [N], got shape {list(state_indices.shape)}")
+    if pool.dim() != 4:
+        raise ValueError(f"the state pool (initial_state) must be 4-D [P, HV, ...], got shape {list(pool.shape)}")
+    P = pool.shape[0]
+    idx = state_indices.long()
+    if idx.numel() and (int(idx.max()) >= P or int(idx.min()) < -1):
+        raise ValueError(f"state_indices must lie in [-1, {P - 1}] for a pool of {P} rows, got {idx.tolist()}")
+    rows = pool[idx.clamp(min=0)]
+    return torch.where((idx >= 0)[:, None, None, None], rows, torch.zeros((), dtype=pool.dtype, device=pool.device))
+
+
+@torch.no_grad()
+def _scatter_pool(pool, final, state_indices):
+    idx = state_indices.long()
+    keep = idx >= 0
+    pool[idx[keep]] = final.detach()[keep].to(pool.dtype)

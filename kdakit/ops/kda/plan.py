@@ -1,0 +1,317 @@
+"""The execution plan of a chunked KDA call: chunk size, checkpoint cadence, and every byte.
+
+``plan_kda(...)`` works from shapes alone (no tensors, no GPU) so the memory model can
+price any shape; the Triton launchers use the same object, so what is predicted is what
+runs. Byte arithmetic follows PyTorch's CUDA caching allocator: every allocation is
+rounded up to a multiple of 512 bytes (``Allocation.allocated_bytes``) and a zero-size
+tensor costs nothing; ``torch.cuda.max_memory_allocated`` counts those rounded sizes.
+
+Timeline modelled (SPEC §3 protocol: inputs and dO exist before the call):
+
+* forward allocates O, the optional final state, the state checkpoints and their row
+  offsets (saved for backward);
+* backward allocates every gradient once, the backward workspace (per-program state
+  slots, bounded by the number of programs, not by T) and the parameter-gradient
+  partials; with GVA (HV > H) it also holds fp32 per-value-head dq/dk partials
+  while they are summed into dq/dk (the only large transient);
+* peak = floor (inputs + dO + O + gradients) + saved + backward workspace + that transient.
+
+Checkpoint layout (shared with the kernels): fp32 ``[num_checkpoints, HV, K, V]`` (always
+K-major); sequence n's checkpoint j is the state before its token ``j * L`` and sits at row
+``offsets[n] + j`` with ``offsets = checkpoint_offsets(...)`` (int64 ``[N + 1]``);
+``ceil(len_n / L)`` checkpoints per sequence (none for an empty one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+CHUNK_SIZE = 16
+DEFAULT_CHECKPOINT_TOKENS = 2048
+DEFAULT_RECOMPUTE_TOKENS = 256
+H200_SMS = 132
+_ALLOC_ROUND = 512
+
+GROUPS = (
+    "inputs/dO/O",
+    "saved forward activations",
+    "recompute intermediates",
+    "state checkpoints",
+    "stage buffers",
+    "gradient outputs",
+    "workspace",
+)
+PHASES = ("forward", "backward", "saved")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One tensor the call allocates (or, for group 'inputs/dO/O', holds)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    group: str
+    phase: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Size as the CUDA caching allocator counts it (multiple of 512 bytes; 0 if empty)."""
+        n = self.nbytes
+        return 0 if n == 0 else -(-n // _ALLOC_ROUND) * _ALLOC_ROUND
+
+
+@dataclass(frozen=True)
+class KDAPlan:
+    """How a chunked KDA call runs and what it allocates (all byte counts are allocator-rounded)."""
+
+    backend: str
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    dtype: torch.dtype
+    seqlens: tuple[int, ...]
+    chunk_size: int
+    checkpoint_every_n_tokens: int
+    recompute_every_n_tokens: int
+    recompute_in_backward: bool
+    block_v: int
+    num_sequences: int
+    num_checkpoints: int
+    checkpoint_bytes: int
+    saved_bytes: int
+    forward_workspace_bytes: int
+    backward_workspace_bytes: int
+    transient_bytes: int
+    floor_bytes: int
+    forward_peak_bytes: int
+    predicted_peak_bytes: int
+    allocations: tuple[Allocation, ...] = field(repr=False)
+    peak_model: str = "exact"
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.backward_workspace_bytes
+
+    def bytes_by_group(self) -> dict[str, int]:
+        out = {g: 0 for g in GROUPS}
+        for a in self.allocations:
+            out[a.group] += a.allocated_bytes
+        return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _round(n: int) -> int:
+    return 0 if n == 0 else -(-n // _ALLOC_ROUND) * _ALLOC_ROUND
+
+
+def sequence_lengths(B: int, T: int, cu_seqlens=None) -> list[int]:
+    """Per-sequence token counts: B sequences of T tokens, or the spans of ``cu_seqlens`` (list or tensor)."""
+    if cu_seqlens is None:
+        return [int(T)] * int(B)
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(x) for x in cu_seqlens]
+    return [b - a for a, b in zip(cu, cu[1:])]
+
+
+def checkpoint_counts(lengths: Sequence[int], every_n_tokens: int) -> list[int]:
+    """``ceil(len_n / L)`` checkpoints per sequence (0 for an empty sequence)."""
+    L = int(every_n_tokens)
+    return [-(-int(n) // L) for n in lengths]
+
+
+def checkpoint_offsets(cu_seqlens=None, *, B: int | None = None, T: int | None = None,
+                       every_n_tokens: int, device=None) -> torch.Tensor:
+    """Row offsets of each sequence's checkpoints: int64 ``[N + 1]``, ``offsets[-1]`` = total rows.
+
+    Give ``cu_seqlens`` (tensor or list) for packed sequences, else ``B`` and ``T``. The result
+    lives on ``device`` (default: cu_seqlens' device, else CPU).
+    """
+    if cu_seqlens is None and (B is None or T is None):
+        raise ValueError("checkpoint_offsets needs cu_seqlens or both B and T, got neither")
+    _check_cadence(every_n_tokens)
+    counts = checkpoint_counts(sequence_lengths(B or 1, T or 0, cu_seqlens), every_n_tokens)
+    offs = [0]
+    for c in counts:
+        offs.append(offs[-1] + c)
+    if device is None and isinstance(cu_seqlens, torch.Tensor):
+        device = cu_seqlens.device
+    return torch.tensor(offs, dtype=torch.int64, device=device)
+
+
+def _check_cadence(L) -> None:
+    if isinstance(L, bool) or not isinstance(L, int) or L <= 0 or L % CHUNK_SIZE != 0:
+        raise ValueError(
+            f"checkpoint_every_n_tokens must be a positive multiple of the chunk size {CHUNK_SIZE}, got {L!r}"
+        )
+
+
+def default_checkpoint_tokens(max_len: int) -> int:
+    """2048 tokens, clipped to the longest sequence rounded up to the chunk (at least one chunk)."""
+    longest = max(CHUNK_SIZE, -(-int(max_len) // CHUNK_SIZE) * CHUNK_SIZE)
+    return min(DEFAULT_CHECKPOINT_TOKENS, longest)
+
+
+def choose_block_v(programs: int, V: int, num_sms: int = H200_SMS) -> int:
+    """Forward V block: the full (padded) V, halved down to 32 while fewer than two programs per SM.
+
+    One forward program owns one (sequence, value head, V block) and walks the sequence
+    serially, so small batches need the V split to fill the GPU; each split repeats the
+    chunk's pairwise and inverse work, hence the floor of 32.
+    """
+    bv = min(128, max(16, 1 << (max(int(V), 1) - 1).bit_length()))
+    while bv > 32 and programs * (-(-V // bv)) < 2 * num_sms:
+        bv //= 2
+    return bv
+
+
+def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: int | None = None,
+             HV: int | None = None, K: int | None = None, V: int | None = None,
+             dtype: torch.dtype | None = None, seqlens: Sequence[int] | None = None, cu_seqlens=None,
+             checkpoint_every_n_tokens: int | None = None, initial_state: bool = False,
+             initial_state_dtype: torch.dtype = torch.float32, output_final_state: bool = False,
+             gate_params: bool = True, backend: str = "triton", block_v: int | None = None,
+             num_sms: int = H200_SMS, backward_stage_dtype: torch.dtype = torch.float32) -> KDAPlan:
+    """Plan a ``chunk_kda`` training call (forward + backward) from shapes alone.
+
+    Shapes come from tensors ``q`` ``[B, T, H, K]`` and ``v`` ``[B, T, HV, V]`` (metadata only)
+    or from ``B, T, H, HV, K, V`` (HV defaults to H, V to K). ``dtype`` is the token dtype
+    (default: q's, else bf16). Packed sequences: ``seqlens`` (list of lengths, B = 1) or
+    ``cu_seqlens`` (list or tensor). ``initial_state`` / ``output_final_state`` say whether
+    those state tensors exist; ``gate_params`` whether fp32 ``A_log [HV]`` and
+    ``dt_bias [HV*K]`` are inputs (and get gradients). ``backend`` is 'triton' (exact model)
+    or 'torch' (the PyTorch path: checkpoints and floor only, ``peak_model = 'lower bound'``).
+    ``backward_stage_dtype`` is the storage dtype of the backward's per-chunk state slots.
+    """
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    if q is not None:
+        B, T, H, K = (int(s) for s in q.shape)
+        dtype = dtype or q.dtype
+    if v is not None:
+        HV, V = int(v.shape[2]), int(v.shape[3])
+    for name, val in (("B", B), ("T", T), ("H", H), ("K", K)):
+        if val is None and not (name in ("B", "T") and (seqlens is not None or cu_seqlens is not None)):
+            raise ValueError(f"plan_kda needs {name} (or a tensor carrying it), got None")
+    HV = H if HV is None else int(HV)
+    V = K if V is None else int(V)
+    H, K = int(H), int(K)
+    dtype = dtype or torch.bfloat16
+    if HV % H != 0:
+        raise ValueError(f"HV must be a multiple of H={H}, got HV={HV}")
+    if seqlens is not None and cu_seqlens is not None:
+        raise ValueError("give seqlens or cu_seqlens, not both")
+    if seqlens is not None:
+        lengths = [int(n) for n in seqlens]
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        cu_seqlens = cu
+    if cu_seqlens is not None:
+        lengths = sequence_lengths(1, 0, cu_seqlens)
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"sequence lengths must be >= 0, got {lengths}")
+        total = sum(lengths)
+        if T is not None and int(T) != total:
+            raise ValueError(f"T={T} does not match the packed sequences' total {total}")
+        if B is not None and int(B) != 1:
+            raise ValueError(f"packed sequences need B=1, got B={B}")
+        B, T = 1, total
+    else:
+        B, T = int(B), int(T)
+        lengths = [T] * B
+    N = len(lengths)
+
+    L = default_checkpoint_tokens(max(lengths, default=0)) if checkpoint_every_n_tokens is None else checkpoint_every_n_tokens
+    _check_cadence(L)
+    L2 = min(DEFAULT_RECOMPUTE_TOKENS, L)
+    n_ckpt = sum(checkpoint_counts(lengths, L))
+    bv = choose_block_v(N * HV, V, num_sms) if block_v is None else int(block_v)
+    if bv < 16 or bv & (bv - 1):
+        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+
+    f32 = torch.float32
+    allocs: list[Allocation] = []
+
+    def add(name, shape, dt, group, phase):
+        allocs.append(Allocation(name, tuple(int(s) for s in shape), dt, group, phase))
+
+    # Held by the caller: inputs, dO, O (and states when present).
+    for name, shape in (("q", (B, T, H, K)), ("k", (B, T, H, K)), ("v", (B, T, HV, V)),
+                        ("g", (B, T, HV, K)), ("beta", (B, T, HV))):
+        add(name, shape, dtype, "inputs/dO/O", "forward")
+    if gate_params:
+        add("A_log", (HV,), f32, "inputs/dO/O", "forward")
+        add("dt_bias", (HV * K,), f32, "inputs/dO/O", "forward")
+    if cu_seqlens is not None:
+        add("cu_seqlens", (N + 1,), torch.int64, "inputs/dO/O", "forward")
+    if initial_state:
+        add("initial_state", (N, HV, K, V), initial_state_dtype, "inputs/dO/O", "forward")
+    add("o", (B, T, HV, V), dtype, "inputs/dO/O", "forward")
+    if output_final_state:
+        add("final_state", (N, HV, K, V), f32, "inputs/dO/O", "forward")
+        add("d_final_state", (N, HV, K, V), f32, "inputs/dO/O", "backward")
+    add("do", (B, T, HV, V), dtype, "inputs/dO/O", "backward")
+
+    # Saved for backward: sparse checkpoints only (the inputs are autograd's already).
+    if backend == "triton":
+        add("checkpoints", (n_ckpt, HV, K, V), f32, "state checkpoints", "saved")
+        add("checkpoint_offsets", (N + 1,), torch.int64, "state checkpoints", "saved")
+
+    # Gradients, written once in their input's dtype.
+    for name, shape in (("dq", (B, T, H, K)), ("dk", (B, T, H, K)), ("dv", (B, T, HV, V)),
+                        ("dg", (B, T, HV, K)), ("dbeta", (B, T, HV))):
+        add(name, shape, dtype, "gradient outputs", "backward")
+    if gate_params:
+        add("dA_log", (HV,), f32, "gradient outputs", "backward")
+        add("ddt_bias", (HV * K,), f32, "gradient outputs", "backward")
+    if initial_state:
+        add("d_initial_state", (N, HV, K, V), f32, "gradient outputs", "backward")
+
+    transient = 0
+    if backend == "triton":
+        progs = N * HV
+        add("bwd_segment_states", (progs, L // L2, K, V), f32, "workspace", "backward")
+        add("bwd_chunk_states", (progs, L2 // CHUNK_SIZE, K, V), backward_stage_dtype, "workspace", "backward")
+        if gate_params:
+            add("bwd_dA_log_partials", (N, HV), f32, "workspace", "backward")
+            add("bwd_ddt_bias_partials", (N, HV, K), f32, "workspace", "backward")
+        if HV > H:
+            add("bwd_dq_partials", (B, T, HV, K), f32, "stage buffers", "backward")
+            add("bwd_dk_partials", (B, T, HV, K), f32, "stage buffers", "backward")
+
+    def total(pred) -> int:
+        return sum(a.allocated_bytes for a in allocs if pred(a))
+
+    floor = total(lambda a: a.group in ("inputs/dO/O", "gradient outputs"))
+    saved = total(lambda a: a.phase == "saved")
+    bwd_ws = total(lambda a: a.group == "workspace")
+    transient = total(lambda a: a.group == "stage buffers")
+    fwd_peak = total(lambda a: a.group == "inputs/dO/O" and a.name != "d_final_state") + saved
+    peak = max(fwd_peak, floor + saved + bwd_ws + transient)
+    return KDAPlan(
+        backend=backend, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, seqlens=tuple(lengths),
+        chunk_size=CHUNK_SIZE, checkpoint_every_n_tokens=L, recompute_every_n_tokens=L2,
+        recompute_in_backward=True, block_v=bv, num_sequences=N, num_checkpoints=n_ckpt,
+        checkpoint_bytes=total(lambda a: a.name == "checkpoints"), saved_bytes=saved,
+        forward_workspace_bytes=0, backward_workspace_bytes=bwd_ws, transient_bytes=transient,
+        floor_bytes=floor, forward_peak_bytes=fwd_peak, predicted_peak_bytes=peak,
+        allocations=tuple(allocs), peak_model="exact" if backend == "triton" else "lower bound",
+    )

@@ -1,0 +1,144 @@
+"""Helpers for checking KDA paths against each other (used by tests, the demo and benchmarks).
+
+The accuracy measure is FlashAttention's style of tolerance: the RMS of the error
+divided by the RMS of the reference (``rms_ratio``), reported together with the
+max absolute error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    name: str
+    max_abs: float
+    rms_ratio: float
+
+    def __str__(self) -> str:
+        return f"{self.name}: max abs err {self.max_abs:.3e}, rms ratio {self.rms_ratio:.3e}"
+
+
+def error_report(name: str, ref: torch.Tensor, got: torch.Tensor) -> ErrorReport:
+    """Max abs error and RMS error ratio of ``got`` against ``ref`` (both upcast to float64)."""
+    if ref.shape != got.shape:
+        raise ValueError(f"{name}: shape mismatch, reference {list(ref.shape)} vs got {list(got.shape)}")
+    r = ref.detach().to(torch.float64).cpu()
+    x = got.detach().to(torch.float64).cpu()
+    if not torch.isfinite(x).all():
+        return ErrorReport(name, float("inf"), float("inf"))
+    err = x - r
+    max_abs = err.abs().max().item() if err.numel() else 0.0
+    ref_rms = r.pow(2).mean().sqrt().item() if r.numel() else 0.0
+    err_rms = err.pow(2).mean().sqrt().item() if err.numel() else 0.0
+    if ref_rms == 0.0:
+        ratio = 0.0 if err_rms == 0.0 else float("inf")
+    else:
+        ratio = err_rms / ref_rms
+    return ErrorReport(name, max_abs, ratio)
+
+
+def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, ratio: float) -> ErrorReport:
+    """Fail unless ``rms(got - ref) / rms(ref) <= ratio`` and ``got`` is finite.
+
+    A reference that is identically zero is rejected: a check against zeros proves nothing.
+    """
+    rep = error_report(name, ref, got)
+    if ref.numel() and float(ref.detach().abs().max()) == 0.0:
+        raise AssertionError(f"{name}: the reference is all zeros, so the comparison cannot fail")
+    if not rep.rms_ratio <= ratio:
+        raise AssertionError(f"{rep} exceeds the allowed rms ratio {ratio:.1e}")
+    return rep
+
+
+GATES = ("none", "softplus", "safe", "safe_no_alog")
+
+
+def make_kda_inputs(
+    *, B: int = 1, T: int = 32, H: int = 2, HV: int | None = None, K: int = 16, V: int = 16,
+    dtype: torch.dtype = torch.float64, device="cpu", gate: str = "softplus",
+    seqlens: list[int] | None = None, initial_state: str | None = None, reset_tokens: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> dict:
+    """Random KDA inputs and matching ``chunk_kda`` keyword arguments.
+
+    gate: ``none`` (g is a log-decay, ``-softplus(randn)``), ``softplus`` (raw g with A_log
+    and dt_bias), ``safe`` (lower bound -5 with A_log and dt_bias), ``safe_no_alog``.
+    seqlens: packed sequences (B must be 1, T their sum). initial_state: None, ``kv``, ``vk``
+    (value-first) or ``kv_bf16``. reset_tokens: fraction of tokens whose log-decay is -1000
+    (only with gate ``none``). Returns a dict with ``tensors`` (name -> tensor, all leaves to
+    differentiate) and ``kwargs`` (options for chunk_kda / naive_recurrent_kda).
+    """
+    HV = HV or H
+    gen = generator or torch.Generator().manual_seed(torch.seed() % 2**31)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    if seqlens is not None:
+        if B != 1 or sum(seqlens) != T:
+            raise ValueError(f"seqlens must sum to T={T} with B=1, got B={B}, seqlens={seqlens}")
+    N = len(seqlens) if seqlens is not None else B
+    pdt = torch.float64 if dtype == torch.float64 else torch.float32
+    t = {
+        "q": r(B, T, H, K).to(dtype),
+        "k": r(B, T, H, K).to(dtype),
+        "v": r(B, T, HV, V).to(dtype),
+        "beta": r(B, T, HV).to(dtype),
+    }
+    kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if gate == "none":
+        a = -torch.nn.functional.softplus(r(B, T, HV, K)) * 0.5
+        if reset_tokens:
+            mask = torch.rand(B, T, HV, 1, generator=gen, dtype=torch.float64) < reset_tokens
+            a = torch.where(mask, torch.full_like(a, -1000.0), a)
+        t["g"] = a.to(dtype)
+    else:
+        t["g"] = r(B, T, HV, K).to(dtype)
+        kw["use_gate_in_kernel"] = True
+        t["dt_bias"] = (0.5 * r(HV * K)).to(pdt)
+        if gate in ("softplus", "safe"):
+            t["A_log"] = (0.5 * r(HV)).to(pdt)
+        if gate in ("safe", "safe_no_alog"):
+            kw["safe_gate"] = True
+            kw["lower_bound"] = -5.0
+        elif gate != "softplus":
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    if initial_state is not None:
+        sdt = torch.bfloat16 if initial_state == "kv_bf16" else pdt
+        shape = (N, HV, V, K) if initial_state == "vk" else (N, HV, K, V)
+        t["initial_state"] = (0.5 * r(*shape)).to(sdt)
+        kw["state_v_first"] = initial_state == "vk"
+        kw["output_final_state"] = True
+    if seqlens is not None:
+        cu = [0]
+        for n in seqlens:
+            cu.append(cu[-1] + n)
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.long, device=device)
+    t = {name: x.to(device).requires_grad_() for name, x in t.items()}
+    return {"tensors": t, "kwargs": kw}
+
+
+def run_kda(fn, inputs: dict, *, seed: int | None = None, **extra) -> dict:
+    """Run ``fn`` (chunk_kda-like) forward+backward with random cotangents.
+
+    Returns name -> tensor for ``o``, ``final_state`` (if any) and the gradient of each input
+    (``d<name>``). Cotangents are drawn from a generator seeded with ``seed`` so two calls with
+    the same seed see the same ``dO``/``dht``.
+    """
+    t = {n: x.detach().clone().requires_grad_() for n, x in inputs["tensors"].items()}
+    kw = dict(inputs["kwargs"], **extra)
+    pos = [t[n] for n in ("q", "k", "v", "g", "beta")]
+    named = {n: t[n] for n in ("initial_state", "A_log", "dt_bias") if n in t}
+    o, ht = fn(*pos, **named, **kw)
+    gen = torch.Generator().manual_seed(1234 if seed is None else seed)
+    outs, cots = [o], [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)]
+    res = {"o": o}
+    if ht is not None:
+        outs.append(ht)
+        cots.append(torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht))
+        res["final_state"] = ht
+    grads = torch.autograd.grad(outs, list(t.values()), cots, allow_unused=True)
+    for n, gr in zip(t, grads):
+        res["d" + n] = gr
+    return res

@@ -1,0 +1,160 @@
+"""The chunked PyTorch path against the naive definition (float64), bf16 accuracy, gradcheck, memory."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from kdakit import chunk_kda, naive_recurrent_kda
+from kdakit.ops.kda.chunk_reference import chunked_kda_reference
+from kdakit.testing import assert_close, make_kda_inputs, run_kda
+
+EXACT = 1e-10  # relative RMS in float64 (issue 2: all gradients to <= 1e-10)
+
+
+def _compare(inputs, ratio=EXACT, **extra):
+    ref = run_kda(naive_recurrent_kda, inputs)
+    got = run_kda(chunk_kda, inputs, **extra)
+    assert set(ref) == set(got)
+    for name in ref:
+        if ref[name] is None:
+            assert got[name] is None, name
+            continue
+        assert_close(name, ref[name], got[name], ratio)
+    return got
+
+
+# Every gate x l2norm x beta transform, with GVA, initial/final state and uneven varlen.
+@pytest.mark.parametrize("gate", ["none", "softplus", "safe", "safe_no_alog"])
+@pytest.mark.parametrize("l2norm", [True, False])
+@pytest.mark.parametrize("beta_mode", ["raw", "sigmoid", "neg_eigval"])
+def test_options_match_naive(gate, l2norm, beta_mode):
+    inp = make_kda_inputs(T=41, H=1, HV=2, K=8, V=6, gate=gate, seqlens=[17, 0, 1, 23], B=1, initial_state="kv")
+    kw = inp["kwargs"]
+    kw["use_qk_l2norm_in_kernel"] = l2norm
+    kw["use_beta_sigmoid_in_kernel"] = beta_mode != "raw"
+    kw["allow_neg_eigval"] = beta_mode == "neg_eigval"
+    if beta_mode == "raw":
+        # beta given directly must be a sensible (0, 1) value, as FLA expects.
+        inp["tensors"]["beta"] = torch.sigmoid(inp["tensors"]["beta"]).detach().requires_grad_()
+    if not l2norm:
+        for n in ("q", "k"):
+            inp["tensors"][n] = (0.3 * inp["tensors"][n]).detach().requires_grad_()
+    _compare(inp)
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk", "kv_bf16", None])
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_states_layouts_and_chunk_sizes(layout, chunk_size):
+    inp = make_kda_inputs(B=2, T=37, H=2, HV=2, K=8, V=8, gate="softplus", initial_state=layout)
+    if layout is None:
+        inp["kwargs"]["output_final_state"] = True
+    _compare(inp, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("checkpoint", [16, 48, 1024])
+def test_checkpoint_cadence_does_not_change_results(checkpoint):
+    inp = make_kda_inputs(T=70, H=1, HV=1, K=8, V=8, gate="safe", initial_state="vk")
+    _compare(inp, checkpoint_every_n_tokens=checkpoint)
+
+
+@pytest.mark.parametrize("reset", [0.1, 0.5])
+def test_reset_level_decays_stay_exact(reset):
+    inp = make_kda_inputs(T=64, H=1, HV=2, K=8, V=8, gate="none", reset_tokens=reset, initial_state="kv")
+    got = _compare(inp)
+    assert all(torch.isfinite(x).all() for x in got.values() if x is not None)
+
+
+def test_strong_softplus_gate_stays_exact():
+    inp = make_kda_inputs(T=48, H=1, HV=1, K=8, V=8, gate="softplus", initial_state="kv")
+    with torch.no_grad():
+        inp["tensors"]["A_log"].fill_(6.0)  # exp(6) * softplus(x): log-decays in the hundreds
+        inp["tensors"]["g"].mul_(10.0)
+    got = _compare(inp)
+    assert all(torch.isfinite(x).all() for x in got.values() if x is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_meet_spec_accuracy(dtype):
+    inp = make_kda_inputs(T=96, H=2, HV=4, K=32, V=32, gate="safe", dtype=dtype, initial_state="kv")
+    ref_inp = {"tensors": {n: x.detach().double().requires_grad_() for n, x in inp["tensors"].items()},
+               "kwargs": inp["kwargs"]}
+    ref = run_kda(naive_recurrent_kda, ref_inp)
+    got = run_kda(chunk_kda, inp)
+    limits = {"o": 0.005, "final_state": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dA_log": 0.008,
+              "ddt_bias": 0.008, "dinitial_state": 0.008, "dg": 0.02, "dbeta": 0.02}
+    for name, lim in limits.items():
+        assert got[name].dtype == (inp["tensors"][name[1:]].dtype if name.startswith("d") else got[name].dtype)
+        assert_close(name, ref[name], got[name], lim)
+    assert got["o"].dtype == dtype and got["final_state"].dtype == torch.float32
+
+
+def test_gradcheck_tiny():
+    inp = make_kda_inputs(T=19, H=1, HV=2, K=3, V=2, gate="softplus", seqlens=[3, 16], initial_state="vk")
+    t = inp["tensors"]
+    names = list(t)
+    kw = dict(inp["kwargs"], scale=0.7)
+
+    def f(*xs):
+        d = dict(zip(names, xs))
+        pos = [d.pop(n) for n in ("q", "k", "v", "g", "beta")]
+        return chunked_kda_reference(*pos, chunk_size=16, checkpoint_every_n_tokens=16, **d, **kw)
+
+    assert torch.autograd.gradcheck(f, tuple(t[n] for n in names), eps=1e-6, atol=1e-7, rtol=1e-6)
+
+
+def test_saved_for_backward_is_inputs_plus_sparse_checkpoints():
+    inp = make_kda_inputs(T=256, H=2, HV=2, K=16, V=16, gate="safe", dtype=torch.float32)
+    t = {n: x.detach().requires_grad_() for n, x in inp["tensors"].items()}
+    input_ptrs = {x.data_ptr() for x in t.values()}
+    extra = []
+
+    def pack(x):
+        if x.data_ptr() not in input_ptrs:
+            extra.append(x)
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                  checkpoint_every_n_tokens=64, **inp["kwargs"])
+    # 256 tokens / 64 = 4 segment-start states of [N=1, HV=2, K=16, V=16] fp32, nothing else.
+    assert len(extra) == 1
+    assert extra[0].shape == (4, 1, 2, 16, 16) and extra[0].dtype == torch.float32
+
+
+def test_randomized_sweep():
+    rng = random.Random(20261129)
+    for case in range(10):
+        H = rng.choice([1, 2])
+        HV = H * rng.choice([1, 2])
+        K, V = rng.choice([4, 8, 12]), rng.choice([4, 8, 10])
+        gate = rng.choice(["none", "softplus", "safe", "safe_no_alog"])
+        layout = rng.choice([None, "kv", "vk"])
+        if rng.random() < 0.5:
+            lens = [rng.choice([0, 1, 5, 16, 17, 33]) for _ in range(rng.randint(1, 4))]
+            T, B, seqlens = sum(lens), 1, lens
+        else:
+            B, T, seqlens = rng.randint(1, 2), rng.randint(1, 50), None
+        inp = make_kda_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V, gate=gate, seqlens=seqlens, initial_state=layout,
+                              generator=torch.Generator().manual_seed(case))
+        _compare(inp, chunk_size=rng.choice([16, 32]), checkpoint_every_n_tokens=rng.choice([16, 32, 256]))
+
+
+def test_state_pool_prefill_updates_rows_in_place():
+    inp = make_kda_inputs(T=30, H=1, HV=2, K=8, V=8, gate="safe", seqlens=[10, 20])
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    pool = torch.randn(5, 2, 8, 8, dtype=torch.float64)  # value-first rows [HV, V, K]
+    before = pool.clone()
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    kw = dict(inp["kwargs"], state_v_first=True)
+    o, _ = chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                     initial_state=pool, state_indices=idx, **kw)
+    o_ref, ht_ref = naive_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"],
+                                        dt_bias=t["dt_bias"], initial_state=before[[3, 1]],
+                                        output_final_state=True, **kw)
+    assert_close("o", o_ref, o, EXACT)
+    assert_close("pool[3]", ht_ref[0], pool[3], EXACT)
+    assert_close("pool[1]", ht_ref[1], pool[1], EXACT)
+    for r in (0, 2, 4):
+        assert torch.equal(pool[r], before[r])

@@ -1,0 +1,126 @@
+"""Every bad input of chunk_kda raises ValueError/TypeError naming the argument; nothing is modified."""
+
+import pytest
+import torch
+
+from kdakit import chunk_kda
+from kdakit.testing import make_kda_inputs
+
+
+def _base(**kw):
+    inp = make_kda_inputs(T=20, H=2, HV=4, K=8, V=8, dtype=torch.bfloat16, gate="softplus", **kw)
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    return t, inp["kwargs"]
+
+
+def _call(t, kw):
+    return chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"],
+                     **{n: t[n] for n in ("A_log", "dt_bias", "initial_state") if n in t}, **kw)
+
+
+def _expect(exc, pattern, mutate, **base):
+    t, kw = _base(**base)
+    mutate(t, kw)
+    snap = {n: x.clone() for n, x in t.items() if isinstance(x, torch.Tensor) and x.device.type != "meta"}
+    with pytest.raises(exc, match=pattern):
+        _call(t, kw)
+    for n, x in snap.items():
+        assert torch.equal(t[n], x), f"{n} was modified by a failing call"
+
+
+def test_valid_call_runs():
+    t, kw = _base(initial_state="kv")
+    o, ht = _call(t, kw)
+    assert o.shape == (1, 20, 4, 8) and ht.shape == (1, 4, 8, 8)
+
+
+CASES = {
+    "integer q": (TypeError, r"^q must have dtype", lambda t, kw: t.update(q=t["q"].to(torch.int32))),
+    "A_log bf16": (TypeError, r"^A_log must have dtype", lambda t, kw: t.update(A_log=t["A_log"].bfloat16())),
+    "dt_bias fp16": (TypeError, r"^dt_bias must have dtype", lambda t, kw: t.update(dt_bias=t["dt_bias"].half())),
+    "q not a tensor": (TypeError, r"^q must be a torch.Tensor", lambda t, kw: t.update(q=[1.0])),
+    "k shape": (ValueError, r"^k must have q's shape", lambda t, kw: t.update(k=t["k"][:, :, :1])),
+    "v length": (ValueError, r"^v must be \[B, T, HV, V\]", lambda t, kw: t.update(v=t["v"][:, :10])),
+    "HV not multiple": (ValueError, r"HV must be a multiple of .*H=2, got HV=3",
+                        lambda t, kw: t.update(v=t["v"][:, :, :3], g=t["g"][:, :, :3], beta=t["beta"][:, :, :3])),
+    "g shape": (ValueError, r"^g must have shape \[B, T, HV, K\]", lambda t, kw: t.update(g=t["g"][..., :4])),
+    "beta shape": (ValueError, r"^beta must have shape \[B, T, HV\]", lambda t, kw: t.update(beta=t["beta"][:, :, :2])),
+    "q 3-D": (ValueError, r"^q must be 4-D", lambda t, kw: t.update(q=t["q"][0])),
+    "A_log shape": (ValueError, r"^A_log must have shape \[HV\]", lambda t, kw: t.update(A_log=t["A_log"][:2])),
+    "dt_bias shape": (ValueError, r"^dt_bias must have shape \[HV \* K\]", lambda t, kw: t.update(dt_bias=t["dt_bias"][:5])),
+    "cu_seqlens 2-D": (ValueError, r"^cu_seqlens must be 1-D",
+                       lambda t, kw: kw.update(cu_seqlens=torch.tensor([[0, 20]]))),
+    "cu_seqlens float": (TypeError, r"^cu_seqlens must have an integer dtype",
+                         lambda t, kw: kw.update(cu_seqlens=torch.tensor([0.0, 20.0]))),
+    "cu_seqlens start": (ValueError, r"^cu_seqlens must start at 0, got 2",
+                         lambda t, kw: kw.update(cu_seqlens=torch.tensor([2, 20]))),
+    "cu_seqlens decreasing": (ValueError, r"^cu_seqlens must be non-decreasing",
+                              lambda t, kw: kw.update(cu_seqlens=torch.tensor([0, 12, 8, 20]))),
+    "cu_seqlens end": (ValueError, r"^cu_seqlens must end at T=20.*got 18",
+                       lambda t, kw: kw.update(cu_seqlens=torch.tensor([0, 18]))),
+    "gate without A_log or lower_bound": (ValueError, r"use_gate_in_kernel=True needs A_log",
+                                          lambda t, kw: t.pop("A_log")),
+    "safe_gate lower_bound -6": (ValueError, r"^lower_bound must be in the safe range \[-5, 0\).*got -6",
+                                 lambda t, kw: kw.update(safe_gate=True, lower_bound=-6.0)),
+    "safe_gate lower_bound 0": (ValueError, r"^lower_bound must be in the safe range \[-5, 0\).*got 0",
+                                lambda t, kw: kw.update(safe_gate=True, lower_bound=0.0)),
+    "safe_gate without lower_bound": (ValueError, r"safe_gate=True .* needs lower_bound",
+                                      lambda t, kw: kw.update(safe_gate=True)),
+    "neg eigval without sigmoid": (ValueError, r"^allow_neg_eigval=True requires use_beta_sigmoid_in_kernel",
+                                   lambda t, kw: kw.update(allow_neg_eigval=True, use_beta_sigmoid_in_kernel=False)),
+    "different devices": (ValueError, r"^k must be on q's device cpu, got meta",
+                          lambda t, kw: t.update(k=torch.empty(t["k"].shape, dtype=t["k"].dtype, device="meta"))),
+    "fla-only option": (ValueError, r"^disable_recompute is an FLA option", lambda t, kw: kw.update(disable_recompute=True)),
+    "bad chunk size": (ValueError, r"^chunk_size must be 16, 32 or 64, got 48", lambda t, kw: kw.update(chunk_size=48)),
+    "bad checkpoint cadence": (ValueError, r"^checkpoint_every_n_tokens must be a positive int",
+                               lambda t, kw: kw.update(checkpoint_every_n_tokens=0)),
+    "initial_state dtype": (TypeError, r"^initial_state must have dtype",
+                            lambda t, kw: t.update(initial_state=torch.zeros(1, 4, 8, 8, dtype=torch.float16) + 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input(case):
+    exc, pattern, mutate = CASES[case]
+    _expect(exc, pattern, mutate)
+
+
+def test_batch_must_be_one_with_cu_seqlens():
+    inp = make_kda_inputs(B=2, T=10, H=1, K=4, V=4, gate="none")
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    with pytest.raises(ValueError, match=r"^the batch size B must be 1 with cu_seqlens.*got B=2"):
+        _call(t, dict(inp["kwargs"], cu_seqlens=torch.tensor([0, 4, 10])))
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_initial_state_shape_for_layout(layout):
+    t, kw = _base(initial_state=layout)
+    wrong = t["initial_state"].transpose(-1, -2)[..., :4, :].contiguous()  # neither layout fits
+    t["initial_state"] = wrong
+    with pytest.raises(ValueError, match=r"^initial_state must have shape"):
+        _call(t, kw)
+
+
+def test_initial_state_sequence_count_with_cu_seqlens():
+    inp = make_kda_inputs(T=20, H=1, K=4, V=4, gate="none", seqlens=[5, 15], initial_state="kv")
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    t["initial_state"] = t["initial_state"][:1]
+    with pytest.raises(ValueError, match=r"^initial_state must have shape .* for 2 sequence\(s\)"):
+        _call(t, inp["kwargs"])
+
+
+def test_state_indices_errors():
+    t, kw = _base(initial_state="vk")
+    pool = torch.randn(3, 4, 8, 8)
+    t["initial_state"] = pool
+    with pytest.raises(TypeError, match=r"^state_indices must be an int32 tensor"):
+        _call(t, dict(kw, state_indices=torch.tensor([0.0])))
+    with pytest.raises(ValueError, match=r"^state_indices must lie in \[-1, 2\]"):
+        _call(t, dict(kw, state_indices=torch.tensor([5], dtype=torch.int32)))
+
+
+def test_backend_env_is_checked(monkeypatch):
+    t, kw = _base()
+    monkeypatch.setenv("KDAKIT_BACKEND", "cuda-please")
+    with pytest.raises(ValueError, match=r"^KDAKIT_BACKEND must be one of"):
+        _call(t, kw)
