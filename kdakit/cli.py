@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)
+
+    from kdakit.memory.serving_cli import register as register_serve_mem
+
+    register_serve_mem(sub)
     return parser
 
 
