@@ -43,6 +43,11 @@ L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 # Below this, log(1 + exp(x)) is exp(x) to float32 precision and the sum 1 + exp(x) would round away.
 SOFTPLUS_SMALL = -15.0
+# Log-decays are clamped to >= this on load. Every factor the kernels form is exp of a sum of
+# non-positive log-decays, and exp(-110) is below float32's smallest denormal, so any sum that
+# contains a clamped term is exactly 0 either way; the clamp only keeps the chunk cumsum small so
+# that differences G_i - G_j after a reset-level decay (-1000) keep their precision.
+LOG_DECAY_FLOOR = -110.0
 
 
 def gate_mode(use_gate_in_kernel: bool, lower_bound: float | None) -> int:
@@ -229,6 +234,8 @@ def load_chunk_gate(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, expA, lower
                     C: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Log-decay tile of a chunk: a ``[C, BC]`` fp32, exactly 0 on padded rows and columns.
 
+    Values are clamped to ``>= -110`` (see LOG_DECAY_FLOOR: exact in float32 for log-decays <= 0).
+
     g_base: gate rows of this (sequence, value head) (row stride stride_g); bias_ptr: this
     value head's ``dt_bias[hv*K:(hv+1)*K]`` (unused without HAS_BIAS). Columns are
     ``col0 + [0, BC)``.
@@ -240,7 +247,7 @@ def load_chunk_gate(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, expA, lower
     if HAS_BIAS:
         bias = tl.load(bias_ptr + c, mask=c < K, other=0.0).to(tl.float32)  # [BC]
         x = x + bias[None, :]
-    a = gate_log_decay(x, expA, lower_bound, GATE)
+    a = tl.maximum(gate_log_decay(x, expA, lower_bound, GATE), -110.0)
     return tl.where(mask, a, 0.0)  # [C, BC]
 
 

@@ -6,15 +6,22 @@ runs. Byte arithmetic follows PyTorch's CUDA caching allocator: every allocation
 rounded up to a multiple of 512 bytes (``Allocation.allocated_bytes``) and a zero-size
 tensor costs nothing; ``torch.cuda.max_memory_allocated`` counts those rounded sizes.
 
-Timeline modelled (SPEC §3 protocol: inputs and dO exist before the call):
+Timeline modelled, allocation by allocation in program order (SPEC §3 protocol: inputs
+and dO exist before the call; the launchers ``chunk_fwd.chunk_kda_fwd`` and
+``chunk_bwd.chunk_kda_bwd`` allocate in this order):
 
-* forward allocates O, the optional final state, the state checkpoints and their row
-  offsets (saved for backward);
-* backward allocates every gradient once, the backward workspace (per-program state
-  slots, bounded by the number of programs, not by T) and the parameter-gradient
-  partials; with GVA (HV > H) it also holds fp32 per-value-head dq/dk partials
-  while they are summed into dq/dk (the only large transient);
-* peak = floor (inputs + dO + O + gradients) + saved + backward workspace + that transient.
+* forward: O, the optional final state, the checkpoint row offsets (freed when the launcher
+  returns) and the checkpoints (saved for backward);
+* backward: the offsets again, every gradient once (with GVA, HV > H, dq/dk start as fp32
+  per-value-head partials ``[B, T, HV, K]``), the parameter partials, the fp32 dh0, then the
+  workspace (per-program state slots, bounded by the number of programs, not by T); the
+  kernel runs; the workspace is freed; GVA partials are summed over the group (an fp32
+  ``[B, T, H, K]`` temporary, then the dtype cast); parameter sums; dh0 cast to the
+  initial state's dtype when that is not fp32.
+* ``predicted_peak_bytes`` is the maximum of the running total; ``transient_bytes`` is what it
+  exceeds floor (inputs + dO + O + gradients) + saved + backward workspace by: the GVA
+  partials, or slightly negative without GVA (dA_log and ddt_bias are allocated after the
+  workspace is freed).
 
 Checkpoint layout (shared with the kernels): fp32 ``[num_checkpoints, HV, K, V]`` (always
 K-major); sequence n's checkpoint j is the state before its token ``j * L`` and sits at row
@@ -94,7 +101,7 @@ class KDAPlan:
     num_sequences: int
     num_checkpoints: int
     checkpoint_bytes: int
-    saved_bytes: int
+    saved_bytes: int  # state checkpoints (+ their 512-byte row offsets)
     forward_workspace_bytes: int
     backward_workspace_bytes: int
     transient_bytes: int
@@ -103,6 +110,10 @@ class KDAPlan:
     predicted_peak_bytes: int
     allocations: tuple[Allocation, ...] = field(repr=False)
     peak_model: str = "exact"
+    peak_at: str = ""
+    # Program order: ("alloc" | "free" | "mark", name) over ``allocations`` (a name may be
+    # allocated, freed and allocated again, e.g. checkpoint_offsets); marks name phases.
+    events: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
     @property
     def workspace_bytes(self) -> int:
@@ -166,20 +177,27 @@ def _check_cadence(L) -> None:
 def default_checkpoint_tokens(max_len: int) -> int:
     """2048 tokens, clipped to the longest sequence rounded up to the chunk (at least one chunk)."""
     longest = max(CHUNK_SIZE, -(-int(max_len) // CHUNK_SIZE) * CHUNK_SIZE)
+    if longest > DEFAULT_RECOMPUTE_TOKENS:
+        # Keep whole recompute sub-segments per segment (see L2 in plan_kda).
+        longest = -(-longest // DEFAULT_RECOMPUTE_TOKENS) * DEFAULT_RECOMPUTE_TOKENS
     return min(DEFAULT_CHECKPOINT_TOKENS, longest)
 
 
 def choose_block_v(programs: int, V: int, num_sms: int = H200_SMS) -> int:
-    """Forward V block: the full (padded) V, halved down to 32 while fewer than two programs per SM.
+    """Forward V block for ``programs`` (sequence, value head) pairs.
 
-    One forward program owns one (sequence, value head, V block) and walks the sequence
-    serially, so small batches need the V split to fill the GPU; each split repeats the
-    chunk's pairwise and inverse work, hence the floor of 32.
+    A forward program walks its whole sequence serially, so the launch should fit in one
+    wave: at 4 warps the kernel needs about 255 registers a thread, so two programs fit on
+    an SM. BV = 64 is the default (no duplicated pairwise work beyond a factor V/64, small
+    register spills); BV = 32 when even V/32 programs per pair fit in one wave (small batches).
+    BV = 128 spills heavily at 4 warps and runs at 8 warps (pass ``block_v=128`` to try it).
     """
-    bv = min(128, max(16, 1 << (max(int(V), 1) - 1).bit_length()))
-    while bv > 32 and programs * (-(-V // bv)) < 2 * num_sms:
-        bv //= 2
-    return bv
+    full = min(128, max(16, 1 << (max(int(V), 1) - 1).bit_length()))
+    if full <= 32:
+        return full
+    if programs * (-(-V // 32)) <= 2 * num_sms:
+        return 32
+    return 64
 
 
 def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: int | None = None,
@@ -241,7 +259,8 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
 
     L = default_checkpoint_tokens(max(lengths, default=0)) if checkpoint_every_n_tokens is None else checkpoint_every_n_tokens
     _check_cadence(L)
-    L2 = min(DEFAULT_RECOMPUTE_TOKENS, L)
+    # The backward recomputes in sub-segments of L2 tokens that must tile a segment of L tokens.
+    L2 = math.gcd(DEFAULT_RECOMPUTE_TOKENS, L)
     n_ckpt = sum(checkpoint_counts(lengths, L))
     bv = choose_block_v(N * HV, V, num_sms) if block_v is None else int(block_v)
     if bv < 16 or bv & (bv - 1):
@@ -249,11 +268,17 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
 
     f32 = torch.float32
     allocs: list[Allocation] = []
+    events: list[tuple[str, str]] = []  # ("alloc" | "free", name) in program order
 
-    def add(name, shape, dt, group, phase):
+    def add(name, shape, dt, group, phase, live=True):
         allocs.append(Allocation(name, tuple(int(s) for s in shape), dt, group, phase))
+        if live:
+            events.append(("alloc", name))
 
-    # Held by the caller: inputs, dO, O (and states when present).
+    def free(*names):
+        events.extend(("free", n) for n in names)
+
+    # Held by the caller before the call (SPEC §3 protocol: dO exists up front).
     for name, shape in (("q", (B, T, H, K)), ("k", (B, T, H, K)), ("v", (B, T, HV, V)),
                         ("g", (B, T, HV, K)), ("beta", (B, T, HV))):
         add(name, shape, dtype, "inputs/dO/O", "forward")
@@ -264,38 +289,85 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
         add("cu_seqlens", (N + 1,), torch.int64, "inputs/dO/O", "forward")
     if initial_state:
         add("initial_state", (N, HV, K, V), initial_state_dtype, "inputs/dO/O", "forward")
+    add("do", (B, T, HV, V), dtype, "inputs/dO/O", "backward")
+
+    # Forward: O, the final state, the checkpoints (saved) and their row offsets (launcher-local).
     add("o", (B, T, HV, V), dtype, "inputs/dO/O", "forward")
     if output_final_state:
         add("final_state", (N, HV, K, V), f32, "inputs/dO/O", "forward")
-        add("d_final_state", (N, HV, K, V), f32, "inputs/dO/O", "backward")
-    add("do", (B, T, HV, V), dtype, "inputs/dO/O", "backward")
-
-    # Saved for backward: sparse checkpoints only (the inputs are autograd's already).
     if backend == "triton":
-        add("checkpoints", (n_ckpt, HV, K, V), f32, "state checkpoints", "saved")
         add("checkpoint_offsets", (N + 1,), torch.int64, "state checkpoints", "saved")
+        add("checkpoints", (n_ckpt, HV, K, V), f32, "state checkpoints", "saved")
+    events.append(("mark", "forward"))
+    if backend == "triton":
+        free("checkpoint_offsets")  # launcher-local; the backward rebuilds them (512 bytes)
+    if output_final_state:
+        # autograd hands a zero cotangent for an unused final state
+        add("d_final_state", (N, HV, K, V), f32, "inputs/dO/O", "backward")
 
-    # Gradients, written once in their input's dtype.
-    for name, shape in (("dq", (B, T, H, K)), ("dk", (B, T, H, K)), ("dv", (B, T, HV, V)),
-                        ("dg", (B, T, HV, K)), ("dbeta", (B, T, HV))):
+    # Backward (chunk_bwd): gradients are allocated first, then the workspace; the kernel runs;
+    # the workspace is freed before the GVA reductions and the parameter sums.
+    gva = HV > H
+    if backend == "triton":
+        events.append(("alloc", "checkpoint_offsets"))
+        if gva:
+            add("bwd_dq_partials", (B, T, HV, K), f32, "stage buffers", "backward")
+            add("bwd_dk_partials", (B, T, HV, K), f32, "stage buffers", "backward")
+    for name, shape in ((("dq", (B, T, H, K)), ("dk", (B, T, H, K))) if not gva or backend != "triton" else ()):
         add(name, shape, dtype, "gradient outputs", "backward")
-    if gate_params:
-        add("dA_log", (HV,), f32, "gradient outputs", "backward")
-        add("ddt_bias", (HV * K,), f32, "gradient outputs", "backward")
-    if initial_state:
-        add("d_initial_state", (N, HV, K, V), f32, "gradient outputs", "backward")
-
-    transient = 0
+    for name, shape in (("dv", (B, T, HV, V)), ("dg", (B, T, HV, K)), ("dbeta", (B, T, HV))):
+        add(name, shape, dtype, "gradient outputs", "backward")
+    h0_cast = initial_state and initial_state_dtype != f32
     if backend == "triton":
         progs = N * HV
-        add("bwd_segment_states", (progs, L // L2, K, V), f32, "workspace", "backward")
-        add("bwd_chunk_states", (progs, L2 // CHUNK_SIZE, K, V), backward_stage_dtype, "workspace", "backward")
         if gate_params:
             add("bwd_dA_log_partials", (N, HV), f32, "workspace", "backward")
             add("bwd_ddt_bias_partials", (N, HV, K), f32, "workspace", "backward")
-        if HV > H:
-            add("bwd_dq_partials", (B, T, HV, K), f32, "stage buffers", "backward")
-            add("bwd_dk_partials", (B, T, HV, K), f32, "stage buffers", "backward")
+        if initial_state:
+            add("d_initial_state_fp32" if h0_cast else "d_initial_state", (N, HV, K, V), f32,
+                "stage buffers" if h0_cast else "gradient outputs", "backward")
+        add("bwd_segment_states", (progs, L // L2, K, V), f32, "workspace", "backward")
+        add("bwd_chunk_states", (progs, L2 // CHUNK_SIZE, K, V), backward_stage_dtype, "workspace", "backward")
+        events.append(("mark", "backward kernel"))
+        free("bwd_segment_states", "bwd_chunk_states")
+        if gva:
+            for d, part in (("dq", "bwd_dq_partials"), ("dk", "bwd_dk_partials")):
+                add(f"bwd_{d}_group_sum", (B, T, H, K), f32, "stage buffers", "backward")
+                add(d, (B, T, H, K), dtype, "gradient outputs", "backward")
+                events.append(("mark", f"{d} group reduction"))
+                free(f"bwd_{d}_group_sum", part)
+        if gate_params:
+            add("dA_log", (HV,), f32, "gradient outputs", "backward")
+            add("ddt_bias", (HV * K,), f32, "gradient outputs", "backward")
+        free("checkpoint_offsets")
+        if gate_params:
+            free("bwd_dA_log_partials", "bwd_ddt_bias_partials")
+        if h0_cast:
+            add("d_initial_state", (N, HV, K, V), initial_state_dtype, "gradient outputs", "backward")
+            events.append(("mark", "initial-state gradient cast"))
+            free("d_initial_state_fp32")
+    else:
+        if gate_params:
+            add("dA_log", (HV,), f32, "gradient outputs", "backward")
+            add("ddt_bias", (HV * K,), f32, "gradient outputs", "backward")
+        if initial_state:
+            add("d_initial_state", (N, HV, K, V), initial_state_dtype, "gradient outputs", "backward")
+    events.append(("mark", "backward end"))
+
+    size = {a.name: a.allocated_bytes for a in allocs}
+    cur = peak = fwd_peak = 0
+    peak_at = last_mark = "start"
+    for kind, name in events:
+        if kind == "alloc":
+            cur += size[name]
+        elif kind == "free":
+            cur -= size[name]
+        else:
+            last_mark = name
+            if name == "forward":
+                fwd_peak = cur
+        if cur > peak:
+            peak, peak_at = cur, name if kind == "mark" else f"after allocating {name}"
 
     def total(pred) -> int:
         return sum(a.allocated_bytes for a in allocs if pred(a))
@@ -303,15 +375,15 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
     floor = total(lambda a: a.group in ("inputs/dO/O", "gradient outputs"))
     saved = total(lambda a: a.phase == "saved")
     bwd_ws = total(lambda a: a.group == "workspace")
-    transient = total(lambda a: a.group == "stage buffers")
-    fwd_peak = total(lambda a: a.group == "inputs/dO/O" and a.name != "d_final_state") + saved
-    peak = max(fwd_peak, floor + saved + bwd_ws + transient)
+    transient = peak - (floor + saved + bwd_ws) if backend == "triton" else 0
     return KDAPlan(
         backend=backend, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, seqlens=tuple(lengths),
         chunk_size=CHUNK_SIZE, checkpoint_every_n_tokens=L, recompute_every_n_tokens=L2,
         recompute_in_backward=True, block_v=bv, num_sequences=N, num_checkpoints=n_ckpt,
         checkpoint_bytes=total(lambda a: a.name == "checkpoints"), saved_bytes=saved,
         forward_workspace_bytes=0, backward_workspace_bytes=bwd_ws, transient_bytes=transient,
-        floor_bytes=floor, forward_peak_bytes=fwd_peak, predicted_peak_bytes=peak,
+        floor_bytes=floor, forward_peak_bytes=fwd_peak,
+        predicted_peak_bytes=peak if backend == "triton" else floor + saved, peak_at=peak_at,
+        events=tuple(events),
         allocations=tuple(allocs), peak_model="exact" if backend == "triton" else "lower bound",
     )
