@@ -40,8 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)
 
+    from kdakit.memory.mem_cli import register as register_mem
     from kdakit.memory.serving_cli import register as register_serve_mem
 
+    register_mem(sub)
     register_serve_mem(sub)
     return parser
 

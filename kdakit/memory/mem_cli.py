@@ -1,0 +1,262 @@
+"""The ``kdakit mem`` command: ``measure``, ``model`` and ``plot``.
+
+``register(subparsers)`` adds it to the ``kdakit`` parser. Shapes are ``MBSxSEQ:HEADS``
+lists (``1x8192:96,8x8192:16``), backends comma lists (``kdakit,fla``); both are parsed
+by the command itself so a bad value gives one line on stderr and exit status 2.
+
+Exit status: 0 success; 1 ``measure`` finished but a cell failed (error, crash, timeout;
+an OOM is a result, not a failure); 2 bad arguments or a run that cannot start (no CUDA
+device, a backend missing, a backend without a model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+SPEC_SHAPES = "1x8192:96,8x8192:16,1x8192:128,1x131072:96"
+
+
+class CommandError(Exception):
+    """A one-line error for the user."""
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("call options (defaults: the SPEC §3 protocol)")
+    g.add_argument("--head-dim", type=int, default=128, help="K (and V unless --value-dim), default 128")
+    g.add_argument("--value-dim", type=int, default=None, help="V, default = --head-dim")
+    g.add_argument("--qk-heads", type=int, default=None, help="q/k heads H (GVA: HEADS is HV), default = HEADS")
+    g.add_argument("--dtype", default="bf16", help="token dtype: bf16, fp16 or fp32 (default bf16)")
+    g.add_argument("--gate", default="safe", help="safe (lower bound -5), softplus or precomputed (default safe)")
+    g.add_argument("--no-l2norm", action="store_true", help="without in-kernel q/k l2norm")
+    g.add_argument("--no-beta-sigmoid", action="store_true", help="without in-kernel beta sigmoid")
+    g.add_argument("--no-gate-params", action="store_true", help="without A_log and dt_bias")
+    g.add_argument("--initial-state", action="store_true", help="with a differentiated fp32 initial state")
+    g.add_argument("--output-final-state", action="store_true", help="with a final-state output")
+    g.add_argument("--no-varlen", action="store_true", help="[MBS, SEQ, ...] tensors instead of packed cu_seqlens")
+    g.add_argument("--checkpoint-every", type=int, default=None, help="kdakit state-checkpoint cadence in tokens")
+
+
+def _spec(args, shape):
+    from kdakit.memory.model import protocol_spec
+
+    mbs, seq, heads = shape
+    return protocol_spec(
+        mbs, seq, heads, head_dim=args.head_dim, value_dim=args.value_dim, qk_heads=args.qk_heads,
+        dtype=args.dtype, gate=args.gate, use_qk_l2norm=not args.no_l2norm,
+        use_beta_sigmoid=not args.no_beta_sigmoid, gate_params=not args.no_gate_params,
+        initial_state=args.initial_state, output_final_state=args.output_final_state, varlen=not args.no_varlen,
+        checkpoint_every_n_tokens=args.checkpoint_every,
+    )
+
+
+def _models(args, backends, shapes):
+    from kdakit.memory.model import ModelUnsupported, model
+
+    out = []
+    for shape in shapes:
+        spec = _spec(args, shape)
+        for backend in backends:
+            try:
+                out.append(model(backend, spec))
+            except ModelUnsupported as exc:
+                raise CommandError(str(exc)) from None
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# mem model
+
+
+def _cmd_model(args) -> int:
+    from kdakit.memory.measure import load_records
+    from kdakit.memory.model import GROUPS, parse_backends, parse_shapes
+
+    backends = parse_backends(args.backends)
+    shapes = parse_shapes(args.shapes)
+    models = _models(args, backends, shapes)
+    measured = {}
+    if args.measured:
+        for r in load_records(args.measured):
+            if r.get("status") == "ok" and r.get("peak_alloc_gib") is not None:
+                measured[(r["backend"], r["mbs"], r["seq"], r["heads"])] = float(r["peak_alloc_gib"])
+    if args.json:
+        for m in models:
+            rec = m.to_json()
+            got = measured.get((m.backend, m.spec.mbs, m.spec.seq, m.spec.heads))
+            if got is not None:
+                rec["measured_peak_alloc_gib"] = got
+                rec["model_error_pct"] = round(100.0 * (m.peak_gib - got) / got, 4)
+            if args.tensors:
+                rec["tensors"] = [{"name": b.name, "group": b.group, "gib": round(b.nbytes / 2 ** 30, 6)}
+                                  for b in m.blocks]
+            print(json.dumps(rec))
+        return 0
+    groups = list(GROUPS)
+    head = ["backend", "shape", "floor", "peak"] + (["measured", "model vs measured"] if measured else []) \
+        + ["overhead"] + groups
+    print("Modelled peak allocated memory, GiB (2^30 B), live storage groups at the peak:\n")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|")
+    for m in models:
+        s = m.spec
+        row = [m.backend, f"{s.mbs} x {s.seq} : {s.heads}", f"{m.floor_gib:.3f}", f"{m.peak_gib:.3f}"]
+        if measured:
+            got = measured.get((m.backend, s.mbs, s.seq, s.heads))
+            row += ["-", "-"] if got is None else [f"{got:.3f}", f"{100.0 * (m.peak_gib - got) / got:+.2f}%"]
+        gg = m.groups_gib()
+        row += [f"{m.overhead_gib:.3f}"] + [f"{gg.get(g, 0.0):.3f}" for g in groups]
+        print("| " + " | ".join(row) + " |")
+    print()
+    for m in models:
+        print(f"{m.backend} {m.spec.label}: peak during {m.peak_stage}")
+        if args.tensors:
+            for b in sorted(m.blocks, key=lambda b: (-b.nbytes, b.name)):
+                print(f"    {b.name:<24} {b.group:<28} {b.nbytes / 2 ** 30:10.4f} GiB")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# mem measure
+
+
+def _cmd_measure(args) -> int:
+    from kdakit.memory.measure import (MeasureError, MeasureOptions, json_record, markdown_table,
+                                       run_measure)
+    from kdakit.memory.model import parse_backends, parse_shapes
+
+    backends = parse_backends(args.backends)
+    shapes = parse_shapes(args.shapes)
+    options = MeasureOptions(
+        device=args.device, dry_run=args.dry_run, timeout_s=args.timeout, reps=args.reps,
+        timing_runs=args.timing_runs, warmup_seq=args.warmup_seq, warmup_iters=args.warmup_iters,
+        seed=args.seed, head_dim=args.head_dim, checkpoint_every=args.checkpoint_every,
+    )
+    sink = open(args.output, "a") if args.output else None
+
+    def emit(record):
+        line = json.dumps(json_record(record))
+        if args.json:
+            print(line, flush=True)
+        if sink is not None:
+            sink.write(line + "\n")
+            sink.flush()
+
+    try:
+        results = run_measure(backends, shapes, options, progress=None if args.quiet else sys.stderr, on_result=emit)
+    except MeasureError as exc:
+        raise CommandError(str(exc)) from None
+    finally:
+        if sink is not None:
+            sink.close()
+    table = markdown_table(results)
+    if not args.json:
+        print(table)
+    elif not args.quiet:  # JSON on stdout; the human-readable table on the progress stream
+        print(table, file=sys.stderr)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(table + "\n")
+    return 0 if all(r["status"] in ("ok", "oom") for r in results) else 1
+
+
+# ---------------------------------------------------------------------------------------
+# mem plot
+
+
+def _cmd_plot(args) -> int:
+    from kdakit.memory.measure import load_records
+    from kdakit.memory.model import parse_backends, parse_shape
+    from kdakit.memory.plot import FORMATS, measured_peaks, plot_groups
+
+    backends = parse_backends(args.backends)
+    shape = parse_shape(args.shape)
+    formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]
+    for fmt in formats:
+        if fmt not in FORMATS:
+            raise CommandError(f"unknown format {fmt!r}: expected png and/or svg")
+    models = _models(args, backends, [shape])
+    measured = measured_peaks(load_records(args.measured), shape) if args.measured else None
+    stem = args.out or f"kdakit_mem_{shape[0]}x{shape[1]}_h{shape[2]}"
+    try:
+        paths = plot_groups(models, stem, measured=measured, formats=formats, title=args.title)
+    except ImportError as exc:
+        raise CommandError(str(exc)) from None
+    for p in paths:
+        print(p)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _run(func):
+    def handler(args) -> int:
+        try:
+            return func(args)
+        except (CommandError, ValueError, TypeError, OSError) as exc:
+            print(f"kdakit mem {args.mem_command}: error: {exc}", file=sys.stderr)
+            return 2
+    return handler
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add ``mem`` (with ``measure``, ``model``, ``plot``) to a ``kdakit`` subparsers object."""
+    mem = subparsers.add_parser("mem", help="measure, model and plot KDA training memory (SPEC §3)",
+                                description="Peak memory of one KDA forward+backward step: measured, modelled, drawn.")
+    sub = mem.add_subparsers(dest="mem_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    m = sub.add_parser("measure", help="measure peaks by the SPEC §3 protocol (one fresh process per cell, CUDA)")
+    m.add_argument("--backends", default="kdakit,fla", help="comma list of kdakit, fla, reference (default kdakit,fla)")
+    m.add_argument("--shapes", default=SPEC_SHAPES, help=f"comma list of MBSxSEQ:HEADS (default {SPEC_SHAPES})")
+    m.add_argument("--json", action="store_true", help="print one JSON object per cell as it finishes")
+    m.add_argument("--timeout", type=float, default=900.0, help="seconds per cell, warm-up included (default 900)")
+    m.add_argument("--reps", type=int, default=3, help="measured steps per cell; the median is reported (default 3)")
+    m.add_argument("--timing-runs", type=int, default=10, help="timed runs per figure (default 10)")
+    m.add_argument("--warmup-seq", type=int, default=2048, help="tokens of the small warm-up shape, 0 = none (default 2048)")
+    m.add_argument("--warmup-iters", type=int, default=2, help="warm-up steps at the target shape (default 2)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--head-dim", type=int, default=128, help="D = K = V (default 128)")
+    m.add_argument("--checkpoint-every", type=int, default=None, help="kdakit state-checkpoint cadence in tokens")
+    m.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    m.add_argument("--dry-run", action="store_true", help="with --device cpu: run the protocol on CPU, times only")
+    m.add_argument("--output", help="also append the JSON lines to this file")
+    m.add_argument("--table", help="also write the markdown table to this file")
+    m.add_argument("--quiet", action="store_true", help="no progress display on stderr")
+    m.set_defaults(func=_run(_cmd_measure))
+
+    d = sub.add_parser("model", help="analytic peak and storage groups at the peak, on CPU, for any shape")
+    d.add_argument("--backends", default="kdakit,fla", help="comma list of kdakit, fla (default kdakit,fla)")
+    d.add_argument("--shapes", default=SPEC_SHAPES, help=f"comma list of MBSxSEQ:HEADS (default {SPEC_SHAPES})")
+    d.add_argument("--json", action="store_true", help="one JSON object per backend x shape")
+    d.add_argument("--tensors", action="store_true", help="also list every tensor live at the peak")
+    d.add_argument("--measured", help="JSON lines from `kdakit mem measure --json` to compare against")
+    _add_model_options(d)
+    d.set_defaults(func=_run(_cmd_model))
+
+    p = sub.add_parser("plot", help="stacked bar chart of the storage groups at the peak (PNG and SVG)")
+    p.add_argument("--backends", default="kdakit,fla", help="comma list of kdakit, fla (default kdakit,fla)")
+    p.add_argument("--shape", default="1x131072:96", help="one MBSxSEQ:HEADS (default 1x131072:96)")
+    p.add_argument("--out", help="output path without extension (default kdakit_mem_<shape>)")
+    p.add_argument("--format", default="png,svg", help="png, svg or png,svg (default png,svg)")
+    p.add_argument("--measured", help="JSON lines from `kdakit mem measure --json`: measured peaks as markers")
+    p.add_argument("--title")
+    _add_model_options(p)
+    p.set_defaults(func=_run(_cmd_plot))
+    return mem
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry: ``python -m kdakit.memory.mem_cli mem model ...``."""
+    parser = argparse.ArgumentParser(prog="kdakit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    register(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
