@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kdakit.ops.kda.preprocess import L2NORM_EPS, SOFTPLUS_THRESHOLD, kda_beta, kda_gate
+from kdakit.ops.kda.preprocess import L2NORM_EPS, SOFTPLUS_THRESHOLD, kda_beta, kda_gate, l2norm
 
 CHUNK = 16
 
@@ -208,7 +208,6 @@ def _spans(B: int, T: int, cu_seqlens):
 
 def _transformed(q, k, g, beta, *, dtype, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                  use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, A_log, dt_bias):
-    from kdakit.ops.kda.preprocess import l2norm
     q, k, g, beta = (x.to(dtype) for x in (q, k, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)

@@ -1,0 +1,68 @@
+"""Autograd Function joining the Triton chunk kernels: forward (chunk_fwd) and the
+streaming backward (chunk_bwd).
+
+Saved for backward: the inputs autograd already holds plus the fp32 state checkpoints
+at the plan's cadence (``plan.checkpoint_every_n_tokens``) — nothing that grows with
+T·H beyond those. The plan (``kdakit.ops.kda.plan.plan_kda``) is made once per call from
+the shapes and is the object the memory model prices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdakit.ops.kda.chunk_bwd import chunk_kda_bwd
+from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd
+from kdakit.ops.kda.plan import checkpoint_offsets, plan_kda
+
+_FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+          "safe_gate", "lower_bound", "state_v_first")
+
+
+class ChunkKDATritonFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
+                checkpoint_every_n_tokens, flags: dict):
+        plan = plan_kda(q, v, cu_seqlens=cu_seqlens, checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+                        initial_state=initial_state is not None,
+                        initial_state_dtype=initial_state.dtype if initial_state is not None else torch.float32,
+                        output_final_state=output_final_state, gate_params=A_log is not None)
+        o, final, ckpts = chunk_kda_fwd(
+            q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, plan=plan, **flags)
+        # Saved once here so the backward needs no host sync to locate each sequence's checkpoints.
+        offsets = checkpoint_offsets(cu_seqlens, B=q.shape[0], T=q.shape[1],
+                                     every_n_tokens=plan.checkpoint_every_n_tokens, device=q.device)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ckpts, offsets)
+        ctx.plan, ctx.scale, ctx.flags = plan, scale, flags
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ckpts, offsets = ctx.saved_tensors
+        # Autograd hands expanded (stride-0) cotangents for reductions like o.sum(); the kernels
+        # read dense rows, so only such a cotangent is materialized.
+        if not do.is_contiguous():
+            do = do.contiguous()
+        dq, dk, dv, dg, dbeta, dA, dbias, dh0 = chunk_kda_bwd(
+            q, k, v, g, beta, do, dht, checkpoints=ckpts, scale=ctx.scale, A_log=A_log, dt_bias=dt_bias,
+            initial_state=initial_state, cu_seqlens=cu_seqlens, plan=ctx.plan, ckpt_offsets=offsets, **ctx.flags)
+        if dh0 is not None:
+            dh0 = dh0.to(initial_state.dtype)
+        return dq, dk, dv, dg, dbeta, dA, dbias, dh0, None, None, None, None, None
+
+
+def chunk_kda_triton(q, k, v, g, beta, *, scale, A_log, dt_bias, initial_state, output_final_state,
+                     cu_seqlens, checkpoint_every_n_tokens, **flags):
+    """Validated inputs (see ``kdakit.chunk_kda``) -> ``(o, final_state or None)`` via the Triton kernels."""
+    unknown = set(flags) - set(_FLAGS)
+    if unknown:
+        raise TypeError(f"chunk_kda_triton got unexpected options {sorted(unknown)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for the Triton kernels, got strides {tuple(t.stride())}")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"{name} must be float16, bfloat16 or float32 for the Triton kernels, got {t.dtype}; "
+                            "use KDAKIT_BACKEND=torch for float64")
+    return ChunkKDATritonFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, float(scale),
+                                        bool(output_final_state), checkpoint_every_n_tokens, dict(flags))
