@@ -1,0 +1,80 @@
+"""The public chunk_kda on the Triton kernels (KDAKIT_BACKEND=triton, interpreter on CPU):
+the foundation's option matrix against the float64 naive definition, fp32 inputs."""
+
+import pytest
+import torch
+
+from kdakit import chunk_kda, naive_recurrent_kda
+from kdakit.ops.kda.backend import triton_interpreting
+from kdakit.testing import assert_close, make_kda_inputs, run_kda
+
+pytestmark = pytest.mark.skipif(not triton_interpreting() and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 (CPU tier) or a CUDA device")
+FP32_LIMIT = 2e-4  # fp32 kernels vs float64: tf32-free paths land around 1e-6, tf32 ones near 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend(monkeypatch):
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+
+
+def _compare(inp, limit=FP32_LIMIT, overrides=None, **extra):
+    ref_inp = {"tensors": {n: x.detach().double().requires_grad_() for n, x in inp["tensors"].items()},
+               "kwargs": inp["kwargs"]}
+    ref = run_kda(naive_recurrent_kda, ref_inp)
+    got = run_kda(chunk_kda, inp, **extra)
+    assert set(ref) == set(got)
+    for name in ref:
+        assert got[name].dtype == (inp["tensors"][name[1:]].dtype if name.startswith("d") and name[1:] in inp["tensors"]
+                                   else got[name].dtype)
+        assert_close(name, ref[name], got[name], (overrides or {}).get(name, limit))
+
+
+@pytest.mark.parametrize("gate", ["none", "softplus", "safe", "safe_no_alog"])
+@pytest.mark.parametrize("l2norm,beta_mode", [(True, "sigmoid"), (False, "raw"), (True, "neg_eigval")])
+def test_options_match_naive(gate, l2norm, beta_mode):
+    inp = make_kda_inputs(T=37, H=1, HV=2, K=16, V=16, dtype=torch.float32, gate=gate, seqlens=[17, 0, 1, 19],
+                          initial_state="kv")
+    kw = inp["kwargs"]
+    kw["use_qk_l2norm_in_kernel"] = l2norm
+    kw["use_beta_sigmoid_in_kernel"] = beta_mode != "raw"
+    kw["allow_neg_eigval"] = beta_mode == "neg_eigval"
+    if beta_mode == "raw":
+        inp["tensors"]["beta"] = torch.sigmoid(inp["tensors"]["beta"]).detach().requires_grad_()
+    if not l2norm:
+        for n in ("q", "k"):
+            inp["tensors"][n] = (0.3 * inp["tensors"][n]).detach().requires_grad_()
+    _compare(inp, checkpoint_every_n_tokens=16)
+
+
+@pytest.mark.parametrize("layout", ["vk", "kv_bf16", None])
+def test_state_layouts_and_dense_batch(layout):
+    inp = make_kda_inputs(B=2, T=21, H=2, HV=2, K=16, V=8, dtype=torch.float32, gate="safe", initial_state=layout)
+    inp["kwargs"]["output_final_state"] = True
+    # A bf16 initial state gets its gradient in bf16 (its own dtype): bf16 rounding, not kernel error.
+    _compare(inp, overrides={"dinitial_state": 0.008} if layout == "kv_bf16" else None)
+
+
+def test_reset_level_decays():
+    inp = make_kda_inputs(T=40, H=1, HV=1, K=16, V=16, dtype=torch.float32, gate="none", reset_tokens=0.2,
+                          initial_state="kv")
+    _compare(inp)
+
+
+def test_bf16_inputs_meet_spec_accuracy():
+    inp = make_kda_inputs(T=48, H=1, HV=2, K=32, V=32, dtype=torch.bfloat16, gate="safe", seqlens=[20, 28],
+                          initial_state="kv")
+    ref_inp = {"tensors": {n: x.detach().double().requires_grad_() for n, x in inp["tensors"].items()},
+               "kwargs": inp["kwargs"]}
+    ref = run_kda(naive_recurrent_kda, ref_inp)
+    got = run_kda(chunk_kda, inp)
+    limits = {"o": 0.005, "final_state": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dA_log": 0.008,
+              "ddt_bias": 0.008, "dinitial_state": 0.008, "dg": 0.02, "dbeta": 0.02}
+    for name, lim in limits.items():
+        assert_close(name, ref[name], got[name], lim)
+
+
+def test_float64_is_refused_on_the_triton_backend():
+    inp = make_kda_inputs(T=8, H=1, K=4, V=4, dtype=torch.float64, gate="safe")
+    with pytest.raises(TypeError, match=r"^q must be float16, bfloat16 or float32 for the Triton kernels"):
+        run_kda(chunk_kda, inp)
