@@ -1,5 +1,7 @@
 """CPU tier of the Triton chunked forward: kernels under TRITON_INTERPRET=1 on tiny shapes,
-checked against the float64 token-by-token definition, plus the plan's byte arithmetic.
+checked against the float64 token-by-token definition (whole forward) and a float64 PyTorch
+computation of the intra-chunk kernel's outputs, plus the chunk table and the plan's byte
+arithmetic, and an sm_90a build of both kernels.
 
 The interpreter must be chosen before triton is imported; in the GPU tier, or when another
 module of the session already imported triton in compiled mode, the kernel tests are
@@ -33,8 +35,10 @@ from kdakit.ops.kda.plan import (  # noqa: E402
     Allocation,
     checkpoint_offsets,
     default_checkpoint_tokens,
+    forward_chunk_table,
     plan_kda,
 )
+from kdakit.ops.kda.preprocess import kda_beta, kda_gate, l2norm  # noqa: E402
 from kdakit.testing import assert_close  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(
@@ -233,6 +237,106 @@ def test_checkpoints_hold_reference_states(varlen):
             assert_close(f"checkpoint seq {n} row {j}", ref[0], ck[offs[n] + j], 1e-5)
 
 
+# ----------------------------------------------------------------------------------------
+# the intra-chunk kernel's outputs against a float64 PyTorch computation of the same quantities
+# ----------------------------------------------------------------------------------------
+
+
+def _intra_reference(q, k, v, g, beta, lengths, *, A_log=None, dt_bias=None, use_qk_l2norm_in_kernel=False,
+                     use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                     lower_bound=None, **_):
+    """Per chunk, float64: W, qΓ, kd, Aqk (rows of the chunk), exp(g_C) and U, from the chunk formulas."""
+    C = 16
+    q, k, v, g, beta = (x.double().reshape(-1, *x.shape[2:]) for x in (q, k, v, g, beta))
+    HV, H = v.shape[1], q.shape[1]
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q = q.repeat_interleave(HV // H, dim=1)
+    k = k.repeat_interleave(HV // H, dim=1)
+    if use_gate_in_kernel:
+        a = kda_gate(g, None if A_log is None else A_log.double(), dt_bias.double(), lower_bound)
+    else:
+        a = g
+    b = kda_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    out = {n: torch.zeros(q.shape[0], HV, d, dtype=torch.float64)
+           for n, d in (("w", q.shape[-1]), ("qg", q.shape[-1]), ("kd", q.shape[-1]), ("aqk", C), ("u", v.shape[-1]))}
+    gcs = []
+    bos = 0
+    for n_len in lengths:
+        for t0 in range(bos, bos + n_len, C):
+            sl = slice(t0, min(t0 + C, bos + n_len))
+            G = a[sl].cumsum(0)  # [c, HV, K]
+            gam = G.exp()
+            d = G[:, None] - G[None, :]  # [c, c, HV, K]: G_i - G_j
+            causal = torch.ones(d.shape[0], d.shape[0], dtype=torch.bool).tril()
+            E = torch.where(causal[..., None, None], d.clamp(max=0).exp(), torch.zeros((), dtype=d.dtype))
+            Araw = torch.einsum("ihc,jhc,ijhc->hij", k[sl], k[sl], E)
+            Aqk = torch.einsum("ihc,jhc,ijhc->hij", q[sl], k[sl], E)
+            Akk = (b[sl].T[:, :, None] * Araw).tril(-1)
+            Tinv = torch.linalg.inv(torch.eye(d.shape[0], dtype=d.dtype) + Akk)  # [HV, c, c]
+            out["w"][sl] = torch.einsum("hij,jhc->ihc", Tinv, b[sl][..., None] * k[sl] * gam)
+            out["u"][sl] = torch.einsum("hij,jhc->ihc", Tinv, b[sl][..., None] * v[sl])
+            out["qg"][sl] = q[sl] * gam
+            out["kd"][sl] = k[sl] * (G[-1:] - G).exp()
+            out["aqk"][sl, :, :d.shape[0]] = Aqk.permute(1, 0, 2)
+            gcs.append(G[-1].exp())
+        bos += n_len
+    out["gc"] = torch.stack(gcs) if gcs else torch.zeros(0, HV, q.shape[-1], dtype=torch.float64)
+    return out
+
+
+INTRA_CASES = {
+    # name: (lengths (None: B=2 equal sequences of 37), H, HV, K, V, options)
+    "safe_gate_varlen": ([0, 5, 16, 0, 21], 1, 2, 32, 16,
+                         dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                              safe_gate=True, lower_bound=-5.0, allow_neg_eigval=True)),
+    "softplus_exact_batched": (None, 1, 1, 32, 16,
+                               dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                    use_beta_sigmoid_in_kernel=True)),
+    "raw_gate_masked_dims": ([17, 3], 2, 2, 20, 24, dict()),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", list(INTRA_CASES))
+def test_intra_kernel_outputs(name):
+    from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd_intra
+
+    lengths, H, HV, K, V, opts = INTRA_CASES[name]
+    B, T = (2, 37) if lengths is None else (1, sum(lengths))
+    (q, k, v, g, beta), params = _inputs(B, T, H, HV, K, V, gate_in_kernel=opts.get("use_gate_in_kernel", False),
+                                         seed=31 + list(INTRA_CASES).index(name))
+    opts = _options(opts, params, H, HV)
+    beta = _beta_for(beta, opts)
+    cu = None if lengths is None else torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    plan = plan_kda(q, v, cu_seqlens=cu)
+    flags = dict(A_log=None, dt_bias=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                 use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None)
+    flags.update(opts)
+    o = torch.full_like(v, float("nan"))
+    w, qg, kd, aqk, gc, table = chunk_kda_fwd_intra(q, k, v, g, beta, o, cu_seqlens=cu, plan=plan, **flags)
+    ref = _intra_reference(q, k, v, g, beta, [T] * B if lengths is None else lengths, **opts)
+    assert gc.shape == (plan.num_chunks, HV, K) == ref["gc"].shape
+    assert (table is None) == (cu is None)
+    got = dict(w=w, qg=qg, kd=kd, aqk=aqk, u=o, gc=gc)
+    for n in ("w", "qg", "kd", "aqk", "u"):
+        assert_close(f"{name} {n}", ref[n], got[n].reshape(B * T, HV, -1), 1e-5)
+    assert_close(f"{name} exp(g_C)", ref["gc"], gc, 1e-5)
+
+
+def test_forward_chunk_table_with_empty_sequences():
+    t = forward_chunk_table([0, 1, 16, 17, 0, 40])
+    assert t.dtype == torch.int32
+    pairs = [(0 + 1, 0), (2, 0), (3, 0), (3, 1), (5, 0), (5, 1), (5, 2)]
+    assert t[:14].view(7, 2).tolist() == [list(p) for p in pairs]
+    assert t[14:].tolist() == [0, 0, 1, 2, 4, 4, 7]  # each sequence's first chunk, then the total
+    assert forward_chunk_table([0, 0]).tolist() == [0, 0, 0]
+    p = plan_kda(seqlens=[0, 1, 16, 17, 0, 40], H=1, K=16)
+    assert p.num_chunks == 7
+    table = [a for a in p.allocations if a.name == "fwd_chunk_table"]
+    assert table[0].shape == tuple(t.shape) and table[0].dtype == torch.int32
+
+
 @triton.jit
 def _inverse_kernel(a_ptr, out_ptr, C: tl.constexpr, DOUBLING: tl.constexpr):
     A = load_matrix(a_ptr, C, 1, C, C, 0, C, C)
@@ -299,11 +403,19 @@ def test_plan_checkpoints_and_workspace_bytes():
     params_grads = 512 + 96 * 128 * 4
     assert p.predicted_peak_bytes == p.floor_bytes + p.saved_bytes + p.workspace_bytes - params_grads
     assert p.transient_bytes == -params_grads
+    # forward-only temporaries: W, qΓ, kd (bf16 [T, HV, K]), Aqk (bf16 [T, HV, 16]), exp(g_C) (fp32 per chunk),
+    # and the chunk table of the packed sequences (int32 [2 * 512 + 2])
+    T, HV, K = 8192, 96, 128
+    table = _round512(4 * (2 * 512 + 2))
+    temps = 3 * T * HV * K * 2 + T * HV * 16 * 2 + (T // 16) * HV * K * 4 + table
+    assert p.forward_workspace_bytes == temps and p.num_chunks == 512
     assert p.forward_peak_bytes == p.floor_bytes - 4 * (8192 * 96 * 128 * 2) - 8192 * 96 * 2 - params_grads \
-        + p.saved_bytes  # no gradients yet; the offsets (512 B) are live during the forward kernel
+        + p.saved_bytes + temps  # no gradients yet; the offsets (512 B) are live during the forward kernels
+    assert p.forward_peak_bytes < p.predicted_peak_bytes
     by_group = p.bytes_by_group()
     assert sum(by_group.values()) == sum(a.allocated_bytes for a in p.allocations)
     assert by_group["state checkpoints"] == p.saved_bytes
+    assert by_group["recompute intermediates"] == temps - table
 
 
 def test_plan_varlen_counts_and_default_cadence():
@@ -343,38 +455,54 @@ def test_allocation_rounding():
 # ----------------------------------------------------------------------------------------
 
 _COMPILE_SCRIPT = r"""
+import os, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd_kernel as fn, fwd_num_warps
+import kdakit.ops.kda.chunk_fwd as F
 
-def build(safe, gate, dtype, prec, BV, K=128):
-    ptr = "*" + dtype
-    const = dict(K=K, V=K, C=16, BK=K, BV=BV, BKS=16, GATE=gate, HAS_A_LOG=True, HAS_BIAS=True, USE_L2NORM=True,
-                 BETA_SIGMOID=True, NEG_EIGVAL=True, SAFE=safe, IS_VARLEN=True, HAS_H0=True, STORE_HT=True,
-                 STORE_CKPT=True, DOT_PREC=prec, INV_DOUBLING=True, LOOP_WHILE=False)
+PTRS = {"q", "k", "v", "g", "beta", "w", "qg", "kd", "uo", "aqk"}
+F32 = {"A_log", "dt_bias", "h0", "ht", "ckpt", "gc"}
+I32 = {"chunk_table", "chunk_offsets"}
+I64 = {"cu_seqlens", "ckpt_offsets"}
+
+
+def build(fn, const, dtype, num_warps, num_stages):
     sig = {}
     for n in fn.arg_names:
         if n in const:
             sig[n] = "constexpr"
-        elif n in ("q", "k", "v", "g", "beta", "o"):
-            sig[n] = ptr
-        elif n in ("A_log", "dt_bias", "h0", "ht", "ckpt"):
-            sig[n] = "*fp32"
-        elif n in ("cu_seqlens", "ckpt_offsets"):
-            sig[n] = "*i64"
-        elif n in ("scale", "lower_bound"):
-            sig[n] = "fp32"
         else:
-            sig[n] = "i32"
+            sig[n] = ("*" + dtype if n in PTRS else "*fp32" if n in F32 else "*i32" if n in I32
+                      else "*i64" if n in I64 else "fp32" if n in ("scale", "lower_bound") else "i32")
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
     kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=fwd_num_warps(K, BV), num_stages=1))
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
     assert "mma" in kern.asm["ptx"]
-    print("built", safe, gate, dtype, BV)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kern.asm["ptx"])
+    res = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                         text=True)
+    info = " | ".join(l.split(":")[-1].strip() for l in res.stderr.splitlines() if "registers" in l or "spill" in l)
+    print("built", fn.__name__, dtype, info)
 
-build(True, 2, "bf16", "tf32", 64)
-build(False, 1, "fp32", "tf32x3", 32, K=64)
+
+def intra(safe, gate, K=128, prec="tf32"):
+    return dict(K=K, V=K, C=16, BK=K, BV=K, BKS=16, GATE=gate, HAS_A_LOG=True, HAS_BIAS=True, USE_L2NORM=True,
+                BETA_SIGMOID=True, NEG_EIGVAL=True, SAFE=safe, IS_VARLEN=True, DOT_PREC=prec, EMULATE_BF16=False)
+
+
+def state(BV, K=128, bf16=True, prec="tf32"):
+    return dict(K=K, V=K, C=16, BK=K, BV=BV, IS_VARLEN=True, HAS_H0=True, STORE_HT=True, STORE_CKPT=True,
+                OP_BF16=bf16, EMULATE_BF16=False, DOT_PREC=prec, LOOP_WHILE=False)
+
+
+build(F.chunk_kda_fwd_intra_kernel, intra(True, 2), "bf16", F.INTRA_NUM_WARPS, 1)
+build(F.chunk_kda_fwd_intra_kernel, intra(False, 1, K=64, prec="tf32x3"), "fp32", F.INTRA_NUM_WARPS, 1)
+build(F.chunk_kda_fwd_state_kernel, state(64), "bf16", F.state_num_warps(128, 64), F.STATE_NUM_STAGES)
+build(F.chunk_kda_fwd_state_kernel, state(32, K=64, bf16=False, prec="tf32x3"), "fp32", F.state_num_warps(64, 32),
+      F.STATE_NUM_STAGES)
 """
 
 
@@ -390,7 +518,7 @@ def test_kernel_compiles_for_sm90():
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr.lower():
         pytest.skip("triton's bundled ptxas is missing, cannot build for sm_90a")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("built") == 2
+    assert res.stdout.count("built") == 4, res.stdout
 
 
 def test_plan_events_replay_to_the_peak():

@@ -364,3 +364,34 @@ def unit_lower_inverse_doubling(A, C: tl.constexpr):
     N8 = tl.dot(N4, N4, input_precision="ieee")
     P = P + tl.dot(P, N8, input_precision="ieee")
     return P
+
+
+# ---------------------------------------------------------------------------------------
+# storage-dtype helpers of the two-kernel forward (intra kernel -> state kernel)
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_rows_native(base, t0, n_rows, stride_row, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    """Like load_rows but keeps the storage dtype (a bf16 tile can feed ``tl.dot`` as it is).
+
+    Rows ``>= n_rows`` and columns ``>= n_cols`` read as 0. Returns ``[BR, BC]``.
+    """
+    r = t0 + tl.arange(0, BR)  # [BR]
+    c = col0 + tl.arange(0, BC)  # [BC]
+    mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
+    ptrs = base + r.to(tl.int64)[:, None] * stride_row + c[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0)  # [BR, BC]
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 ``x`` rounded to the nearest bfloat16 (ties to even), returned as fp32.
+
+    The interpreter's fp32 -> bf16 cast truncates and its bf16 ``tl.dot`` is wrong, so the
+    interpreted kernels round with this integer recipe instead: the result equals what the
+    GPU's cast produces (finite inputs), and a later cast of it to bf16 is exact.
+    """
+    b = x.to(tl.uint32, bitcast=True)
+    b = b + 0x7FFF + ((b >> 16) & 1)
+    return (b & 0xFFFF0000).to(tl.float32, bitcast=True)

@@ -1,19 +1,40 @@
-"""Chunked KDA forward in Triton: one program per (sequence, value head, V block) walks its chunks.
+"""Chunked KDA forward in Triton: a parallel intra-chunk kernel, then a lean sequential state kernel.
 
-Per chunk of C = 16 tokens, with the state ``S`` ``[K, BV]`` (fp32, in registers) at the
-chunk start, ``G`` the inclusive cumsum of the log-decay ``a`` over the chunk rows,
-``Γ = exp(G)``, ``g_C = G[C-1]`` and the pairwise decays ``E[i, j, c] = exp(G[i,c] - G[j,c])``::
+Per chunk of C = 16 tokens, with ``G`` the inclusive cumsum of the log-decay ``a`` over the
+chunk rows, ``Γ = exp(G)``, ``g_C = G[C-1]``, ``E[i, j, c] = exp(G[i,c] - G[j,c])`` and the
+state ``S`` ``[K, V]`` (fp32) at the chunk start::
 
-    Akk[i, j] = beta_i sum_c k_i k_j E_ij     (j < i)      Aqk[i, j] = sum_c q_i k_j E_ij  (j <= i)
-    Tinv      = (I + Akk)^-1                                (16x16 unit lower, forward substitution)
-    V'        = Tinv (beta * (v - (k Γ) S))                 (= U - W S of the design note)
-    O         = scale ((q Γ) S + Aqk V')
-    S        <- exp(g_C) S + (k exp(g_C - G))^T V'
+    Akk[i, j] = beta_i sum_c k_i k_j E_ij  (j < i)     Aqk[i, j] = sum_c q_i k_j E_ij  (j <= i)
+    Tinv = (I + Akk)^-1    W = Tinv (beta k Γ)  [C, K]    U = Tinv (beta v)  [C, V]
+    V'   = U - W S         O = scale (qΓ S + Aqk V')      S <- exp(g_C) S + kd^T V',  kd = k exp(g_C - G)
 
-Pairwise sums: SAFE path (``safe_gate``, or the in-kernel lower-bound gate with
-``lower_bound >= -5``) factors E through a mid-chunk reference and uses one ``tl.dot``;
-the EXACT path (any gate, log-decays down to -1000) forms E on ``[C, C, 16]`` key slices.
-See ``chunk_common``.
+Everything but the last line's three products is independent of S, so it is split out:
+
+1. ``chunk_kda_fwd_intra_kernel``, grid ``(chunks, HV)`` over every chunk of every sequence
+   (packed sequences map a chunk to (sequence, chunk) through ``plan.forward_chunk_table``):
+   l2norm, gate, cumsum, the pairwise matrices (SAFE or EXACT path, see ``chunk_common``),
+   the 16x16 inverse, then writes W, qΓ, kd ``[B, T, HV, K]`` and Aqk ``[B, T, HV, C]`` in
+   the token dtype, ``exp(g_C)`` fp32 ``[chunks, HV, K]``, and U into the output buffer ``o``.
+2. ``chunk_kda_fwd_state_kernel``, grid ``(N*HV, cdiv(V, BV))``: one program walks its
+   sequence; a step loads W, qΓ, kd, Aqk, exp(g_C) and its U columns, computes V', O (written
+   over U in place: the same program owns those rows and columns and reads them first) and
+   the new S. Checkpoints and the final state are stored as before.
+
+Memory: the forward-only temporaries are ``(3K + C) * b + 4K / C`` bytes per token and value
+head (b = token dtype bytes; 832 B at K = 128, bf16), about 6.5 T·HV·D bytes, freed before
+the launcher returns. U needs nothing of its own (it lives in ``o``). The backward later holds
+dq, dk, dv, dg, dbeta (8 T·H·D + 2 T·H bytes) plus its workspace, none of which exist during
+the forward, so the forward's peak stays below the backward's for every sequence length
+(``plan.forward_peak_bytes`` is exact; ``plan.predicted_peak_bytes`` is the max over both).
+Keeping U in a separate buffer would cost 2 T·HV·V bytes more and put the forward above the
+backward beyond about 25K tokens per sequence (0.6 GiB more at 1 x 128K, H = 96).
+
+Precision: the intra kernel computes in fp32 (``tl.dot`` in TF32 with bf16/fp16 inputs, TF32x3
+with fp32; the 16x16 inverse in exact fp32) and rounds once on store; TF32's 10 mantissa bits
+sit below the bf16 storage rounding. The state kernel keeps S in fp32; with bf16 inputs its products
+take bf16 operands (S and V' rounded to bf16, fp32 accumulation); fp16 inputs use TF32 and
+fp32 inputs TF32x3 on fp32 operands. Under the interpreter bf16 rounding is emulated exactly
+(``round_to_bf16``), so the CPU tests see the GPU's numerics.
 
 Layouts: q, k ``[B, T, H, K]``; v, o ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta
 ``[B, T, HV]`` (all contiguous, token-major); packed sequences via ``cu_seqlens`` (B = 1);
@@ -22,21 +43,20 @@ layout (read through its strides); final state fp32 in the requested layout. Che
 fp32 ``[num_checkpoints, HV, K, V]`` (K-major), row ``offsets[n] + j`` is sequence n's state
 before its token ``j * L`` (``plan.checkpoint_offsets``). All addressing is int64.
 
-Precision: every load is upcast to fp32 and all math is fp32. ``tl.dot`` runs in TF32 for
-bf16/fp16 inputs (operands stay fp32 in registers; TF32 keeps 10 mantissa bits against
-bf16's 7, so its rounding sits below the bf16 output rounding) and TF32x3 (about fp32
-accuracy) for fp32 inputs; the 16x16 inverse is exact fp32.
-
 Limits: K, V <= 128 (other sizes are padded to a power of two >= 16 by masking).
 
-Floors at 1 x 8K, H = HV = 96, K = V = 128, bf16 (H200: 4.3 TB/s, 790 TFLOP/s):
-bytes moved = q, k, v, g, o (5 x 8192 x 96 x 128 x 2 B = 1.01 GB) + beta (1.6 MB) + checkpoints
-(4 x 96 x 64 KiB = 25 MB) = 1.03 GB -> 0.24 ms. FLOPs per chunk and head (2 x m n k):
-k Γ S, q Γ S, (k exp)^T V' = 3 x 2 x 16 x 128 x 128; Akk, Aqk = 2 x 2 x 16 x 16 x 128;
-Tinv V', Aqk V' = 2 x 2 x 16 x 16 x 128 -> 2.1 MFLOP x 512 chunks x 96 heads = 0.10 TFLOP
--> 0.13 ms at the bf16 peak. Both floors are far below the 3.04 ms FLA forward; this kernel
-is bound by the serial chunk walk (512 dependent steps per program), which is why the
-V split (``plan.block_v``) trades duplicated pairwise work for more programs.
+Floors at 1 x 8K, H = HV = 96, K = V = 128, bf16 (H200: ~4.3 TB/s reachable, 790 TFLOP/s bf16):
+* bytes any forward must move: q, k, v, g, o (5 x 201 MB) + beta (1.6 MB) + checkpoints
+  (25 MB) = 1.03 GB -> 0.24 ms. This design moves about 3.4 GB (intra: reads 0.81 GB, writes
+  W, qΓ, kd, U 0.81 GB + Aqk, exp(g_C) 0.05 GB; state: W, qΓ, kd read once per V block
+  (2 x 0.6 GB, the second read mostly from L2), U 0.2 GB, o 0.2 GB) -> 0.5 to 0.8 ms.
+* FLOPs (2 m n k per chunk and head): W S, qΓ S, kd^T V' = 3 x 2 x 16 x 128 x 128; Akk, Aqk,
+  Tinv (beta k Γ), Tinv (beta v), Aqk V' = 5 x 2 x 16 x 16 x 128, inverse 6 x 2 x 16^3 ->
+  2.4 MFLOP x 512 chunks x 96 heads = 0.12 TFLOP -> 0.15 ms at the bf16 peak.
+* latency: 512 dependent state steps per program (two products in a row on the critical
+  path, ~1 us a step) -> ~0.5 ms.
+Prediction for 1 x 8K H96: intra ~0.45 ms + state ~0.7 ms = ~1.2 ms (range 1.0 to 2.0 ms),
+against 10.88 ms for the previous fused kernel and 3.04 ms for FLA 0.6.0 (docs/perf_notes.md).
 """
 
 from __future__ import annotations
@@ -54,44 +74,89 @@ from kdakit.ops.kda.chunk_common import (
     load_chunk_gate,
     load_matrix,
     load_rows,
+    load_rows_native,
     pairwise_dot,
     pairwise_exact,
+    round_to_bf16,
     row_of,
     safe_gate_factors,
     store_matrix,
     store_rows,
-    unit_lower_inverse,
     unit_lower_inverse_doubling,
 )
-from kdakit.ops.kda.plan import CHUNK_SIZE, KDAPlan, checkpoint_offsets, plan_kda
+from kdakit.ops.kda.plan import CHUNK_SIZE, KDAPlan, checkpoint_offsets, forward_chunk_table, plan_kda
 
 MAX_HEAD_DIM = 128
 EXACT_KEY_SLICE = 16  # BKS: [C, C, BKS] fp32 per pairwise slice stays at 16 registers a thread
-FWD_NUM_STAGES = 1
+INTRA_NUM_WARPS = 4
+# Two stages let the pipeliner fetch the next chunk's W, qΓ, kd, Aqk and U while this chunk's
+# products run: those loads do not depend on S.
+STATE_NUM_STAGES = 2
+# bf16 inputs: the state kernel's products take bf16 operands (S and V' rounded); False runs
+# them in TF32 on fp32 operands instead (slower, for accuracy comparisons).
+STATE_BF16_OPERANDS = True
+# fp32 inputs: TF32x3 products triple the operand registers; BV = 64 spills 2.4 KB at K = 128.
+FP32_MAX_BLOCK_V = 32
 
 
-def fwd_num_warps(BK: int, BV: int) -> int:
-    """4 warps up to BV = 64 (ptxas, sm_90a, K = 128: 255 registers, spills <= 0.5 KB at BV = 64, none at 32);
-    8 warps at BV = 128 (4 warps would spill 1.5 KB)."""
+def state_num_warps(BK: int, BV: int) -> int:
+    """4 warps up to a [128, 64] state tile (64 fp32 registers a thread for S), 8 above."""
     return 8 if BK * BV > 128 * 64 else 4
-# The doubling inverse (six 16x16 dots) replaces 15 dependent row reductions on the GPU.
-USE_DOUBLING_INVERSE = True
+
+
+# ---------------------------------------------------------------------------------------
+# kernel 1: everything of a chunk that does not depend on the state
+# ---------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _fwd_chunk(
-    S, t0, seq_len, q_base, k_base, g_base, b_base, v_base, o_base, bias_ptr, ckpt, ck_row0, i_hv,
-    expA, scale, lower_bound, H, HV, v0, L_CKPT,
+def _to_storage(x, EMULATE_BF16: tl.constexpr):
+    """Value to store: the interpreter's bf16 cast truncates, so round to nearest first."""
+    if EMULATE_BF16:
+        x = round_to_bf16(x)
+    return x
+
+
+@triton.jit
+def chunk_kda_fwd_intra_kernel(
+    q, k, v, g, beta, A_log, dt_bias, w, qg, kd, uo, aqk, gc, cu_seqlens, chunk_table,
+    lower_bound, T, H, HV, NTS,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BKS: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr, STORE_CKPT: tl.constexpr,
-    DOT_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr,
+    BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+    SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
-    """One chunk (rows t0 .. t0 + C - 1 of the sequence): writes O, maybe a checkpoint; returns the new S."""
-    if STORE_CKPT:
-        if t0 % L_CKPT == 0:
-            row = ck_row0 + t0 // L_CKPT
-            store_matrix(ckpt + (row * HV + i_hv) * (K * V), S, V, 1, K, V, v0, BK, BV)
+    """One (chunk, value head): W, qΓ, kd, Aqk, exp(g_C) to the temporaries, U into o."""
+    i_t = tl.program_id(0).to(tl.int64)  # global chunk index: the row of gc
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        # chunk_table[2 i], chunk_table[2 i + 1]: (sequence, chunk within it), int32
+        i_n = tl.load(chunk_table + 2 * i_t).to(tl.int64)
+        i_c = tl.load(chunk_table + 2 * i_t + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        i_n = i_t // NTS
+        i_c = (i_t % NTS).to(tl.int32)
+        bos = i_n * T
+        eos = bos + T
+    seq_len = (eos - bos).to(tl.int32)
+    t0 = i_c * C
+
+    q_base = q + (bos * H + i_h) * K
+    k_base = k + (bos * H + i_h) * K
+    g_base = g + (bos * HV + i_hv) * K
+    b_base = beta + bos * HV + i_hv
+    v_base = v + (bos * HV + i_hv) * V
+    if HAS_BIAS:
+        bias_ptr = dt_bias + i_hv * K
+    else:
+        bias_ptr = dt_bias
+    if HAS_A_LOG:
+        expA = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    else:
+        expA = 1.0
 
     qt = load_rows(q_base, t0, seq_len, H * K, 0, K, C, BK)  # [C, BK]
     kt = load_rows(k_base, t0, seq_len, H * K, 0, K, C, BK)  # [C, BK]
@@ -102,7 +167,6 @@ def _fwd_chunk(
                         C, BK, GATE, HAS_BIAS)  # [C, BK]
     Gc = tl.cumsum(a, axis=0)  # [C, BK]
     bt = load_chunk_beta(b_base, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
-    vt = load_rows(v_base, t0, seq_len, HV * V, v0, V, C, BV)  # [C, BV]
 
     if SAFE:
         eg, egi = safe_gate_factors(Gc, C)  # [C, BK] each
@@ -110,6 +174,7 @@ def _fwd_chunk(
         Akk = pairwise_dot(kt * eg, ki, C, False, DOT_PREC)  # [C, C]
         Aqk = pairwise_dot(qt * eg, ki, C, True, DOT_PREC)  # [C, C]
     else:
+        # Key slices re-read from memory: register tiles cannot be sliced by column.
         Akk = tl.zeros([C, C], dtype=tl.float32)
         Aqk = tl.zeros([C, C], dtype=tl.float32)
         for ks in tl.static_range(0, BK, BKS):
@@ -123,70 +188,107 @@ def _fwd_chunk(
             G_s = tl.cumsum(a_s, axis=0)  # [C, BKS]
             Akk += pairwise_exact(kss, kss, G_s, C, False)
             Aqk += pairwise_exact(qs, kss, G_s, C, True)
-    Akk = Akk * bt[:, None]
-    if INV_DOUBLING:
-        Tinv = unit_lower_inverse_doubling(Akk, C)  # [C, C]
-    else:
-        Tinv = unit_lower_inverse(Akk, C)
+    Tinv = unit_lower_inverse_doubling(Akk * bt[:, None], C)  # [C, C]
 
-    # S-independent tiles first, so q, k and G die before the state products.
-    gam = tl.exp(Gc)  # [C, BK]
-    g_last = row_of(Gc, C - 1, C)  # [BK]
-    kd = kt * tl.exp(g_last[None, :] - Gc)  # [C, BK]
-    kg = kt * gam
-    qg = qt * gam
-    resid = bt[:, None] * (vt - tl.dot(kg, S, input_precision=DOT_PREC))  # [C, BV]
-    vn = tl.dot(Tinv, resid, input_precision="ieee")  # [C, BV] = V'
-    ot = scale * (tl.dot(qg, S, input_precision=DOT_PREC)
-                  + tl.dot(Aqk, vn, input_precision=DOT_PREC))  # [C, BV]
-    store_rows(o_base, ot, t0, seq_len, HV * V, v0, V, C, BV)
-    S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kd), vn, input_precision=DOT_PREC)  # [BK, BV]
-    return S
+    gam = tl.exp(Gc)  # [C, BK], <= 1
+    g_last = row_of(Gc, C - 1, C)  # [BK]; padded rows add 0, so this is the last real token's
+    wt = tl.dot(Tinv, kt * gam * bt[:, None], input_precision=DOT_PREC)  # [C, BK]
+    vt = load_rows(v_base, t0, seq_len, HV * V, 0, V, C, BV)  # [C, BV]
+    ut = tl.dot(Tinv, vt * bt[:, None], input_precision=DOT_PREC)  # [C, BV]
+
+    row_k = HV * K
+    tok = (bos * HV + i_hv) * K
+    store_rows(w + tok, _to_storage(wt, EMULATE_BF16), t0, seq_len, row_k, 0, K, C, BK)
+    store_rows(qg + tok, _to_storage(qt * gam, EMULATE_BF16), t0, seq_len, row_k, 0, K, C, BK)
+    store_rows(kd + tok, _to_storage(kt * tl.exp(g_last[None, :] - Gc), EMULATE_BF16),
+               t0, seq_len, row_k, 0, K, C, BK)
+    store_rows(aqk + (bos * HV + i_hv) * C, _to_storage(Aqk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
+    store_rows(uo + (bos * HV + i_hv) * V, _to_storage(ut, EMULATE_BF16), t0, seq_len, HV * V, 0, V, C, BV)
+    c = tl.arange(0, BK)
+    tl.store(gc + (i_t * HV + i_hv) * K + c, tl.exp(g_last), mask=c < K)
+
+
+# ---------------------------------------------------------------------------------------
+# kernel 2: the state recurrence
+# ---------------------------------------------------------------------------------------
 
 
 @triton.jit
-def chunk_kda_fwd_kernel(
-    q, k, v, g, beta, A_log, dt_bias, h0, o, ht, ckpt, cu_seqlens, ckpt_offsets,
-    scale, lower_bound, T, H, HV,
+def _operand(x, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """A tl.dot operand: bf16 (rounded to nearest) with OP_BF16, else fp32."""
+    if OP_BF16:
+        if EMULATE_BF16:
+            y = round_to_bf16(x.to(tl.float32))
+        else:
+            y = x.to(tl.bfloat16)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _state_step(
+    S, t0, seq_len, w_base, qg_base, kd_base, a_base, uo_base, gc_base, ckpt, ck_row0, i_hv,
+    scale, HV, v0, L_CKPT,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    STORE_CKPT: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One chunk (rows t0 .. t0 + C - 1 of the sequence): O over U, maybe a checkpoint; returns the new S."""
+    if STORE_CKPT:
+        if t0 % L_CKPT == 0:
+            row = ck_row0 + t0 // L_CKPT
+            store_matrix(ckpt + (row * HV + i_hv) * (K * V), S, V, 1, K, V, v0, BK, BV)
+
+    wt = _operand(load_rows_native(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
+    qgt = _operand(load_rows_native(qg_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
+    kdt = _operand(load_rows_native(kd_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
+    at = _operand(load_rows_native(a_base, t0, seq_len, HV * C, 0, C, C, C), OP_BF16, EMULATE_BF16)  # [C, C]
+    ut = load_rows(uo_base, t0, seq_len, HV * V, v0, V, C, BV)  # [C, BV]
+    c = tl.arange(0, BK)
+    chunk = tl.zeros([BK], dtype=tl.int64) + t0 // C  # int64: chunks * HV * K may pass 2^31
+    gct = tl.load(gc_base + chunk * (HV * K) + c, mask=c < K, other=0.0)  # [BK]
+
+    Sb = _operand(S, OP_BF16, EMULATE_BF16)  # [BK, BV]
+    vn = ut - tl.dot(wt, Sb, input_precision=DOT_PREC)  # [C, BV] = V'
+    vb = _operand(vn, OP_BF16, EMULATE_BF16)
+    ot = scale * (tl.dot(qgt, Sb, input_precision=DOT_PREC) + tl.dot(at, vb, input_precision=DOT_PREC))
+    store_rows(uo_base, _to_storage(ot, EMULATE_BF16), t0, seq_len, HV * V, v0, V, C, BV)
+    return S * gct[:, None] + tl.dot(tl.trans(kdt), vb, input_precision=DOT_PREC)  # [BK, BV]
+
+
+@triton.jit
+def chunk_kda_fwd_state_kernel(
+    w, qg, kd, aqk, gc, uo, h0, ht, ckpt, cu_seqlens, chunk_offsets, ckpt_offsets,
+    scale, T, HV, NTS,
     s_h0_n, s_h0_h, s_h0_k, s_h0_v,
     s_ht_n, s_ht_h, s_ht_k, s_ht_v,
     L_CKPT,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-    SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    STORE_CKPT: tl.constexpr, DOT_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr,
-    LOOP_WHILE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CKPT: tl.constexpr,
+    OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # global index of the sequence's first chunk
     else:
         bos = i_n.to(tl.int64) * T
         eos = bos + T
+        c0 = i_n.to(tl.int64) * NTS
     seq_len = (eos - bos).to(tl.int32)
     v0 = i_v * BV
 
-    # Row slabs of this (sequence, head): token t of the sequence is row t.
-    q_base = q + (bos * H + i_h) * K
-    k_base = k + (bos * H + i_h) * K
-    g_base = g + (bos * HV + i_hv) * K
-    b_base = beta + bos * HV + i_hv
-    v_base = v + (bos * HV + i_hv) * V
-    o_base = o + (bos * HV + i_hv) * V
-    if HAS_BIAS:
-        bias_ptr = dt_bias + i_hv * K
-    else:
-        bias_ptr = dt_bias
-    if HAS_A_LOG:
-        expA = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-    else:
-        expA = 1.0
+    tok = (bos * HV + i_hv) * K
+    w_base = w + tok
+    qg_base = qg + tok
+    kd_base = kd + tok
+    a_base = aqk + (bos * HV + i_hv) * C
+    uo_base = uo + (bos * HV + i_hv) * V
+    gc_base = gc + c0 * (HV * K) + i_hv * K
 
     S = tl.zeros([BK, BV], dtype=tl.float32)  # state columns [v0, v0 + BV), K-major
     if HAS_H0:
@@ -201,23 +303,27 @@ def chunk_kda_fwd_kernel(
         # The interpreter cannot take range() of a program-dependent bound; a while loop it can.
         i_c = 0
         while i_c < n_chunks:
-            S = _fwd_chunk(S, i_c * C, seq_len, q_base, k_base, g_base, b_base, v_base, o_base, bias_ptr,
-                           ckpt, ck_row0, i_hv, expA, scale, lower_bound, H, HV, v0, L_CKPT,
-                           K, V, C, BK, BV, BKS, GATE, HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL,
-                           SAFE, STORE_CKPT, DOT_PREC, INV_DOUBLING)
+            S = _state_step(S, i_c * C, seq_len, w_base, qg_base, kd_base, a_base, uo_base, gc_base,
+                            ckpt, ck_row0, i_hv, scale, HV, v0, L_CKPT, K, V, C, BK, BV,
+                            STORE_CKPT, OP_BF16, EMULATE_BF16, DOT_PREC)
             i_c += 1
     else:
         for i_c in range(0, n_chunks):
-            S = _fwd_chunk(S, i_c * C, seq_len, q_base, k_base, g_base, b_base, v_base, o_base, bias_ptr,
-                           ckpt, ck_row0, i_hv, expA, scale, lower_bound, H, HV, v0, L_CKPT,
-                           K, V, C, BK, BV, BKS, GATE, HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL,
-                           SAFE, STORE_CKPT, DOT_PREC, INV_DOUBLING)
+            S = _state_step(S, i_c * C, seq_len, w_base, qg_base, kd_base, a_base, uo_base, gc_base,
+                            ckpt, ck_row0, i_hv, scale, HV, v0, L_CKPT, K, V, C, BK, BV,
+                            STORE_CKPT, OP_BF16, EMULATE_BF16, DOT_PREC)
 
     if STORE_HT:
         store_matrix(ht + i_n.to(tl.int64) * s_ht_n + i_hv * s_ht_h, S, s_ht_k, s_ht_v, K, V, v0, BK, BV)
 
 
+# ---------------------------------------------------------------------------------------
+# launcher
+# ---------------------------------------------------------------------------------------
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32-operand tl.dot precision (bf16 operands ignore it): TF32, TF32x3 for fp32 inputs."""
     if triton_interpreting():
         return "ieee"
     return "tf32x3" if dtype == torch.float32 else "tf32"
@@ -232,6 +338,53 @@ def _state_strides(t: torch.Tensor, state_v_first: bool) -> tuple[int, int, int,
 def uses_safe_path(safe_gate: bool, use_gate_in_kernel: bool, lower_bound: float | None) -> bool:
     """SAFE pairwise path when the log-decay is known to be >= -5 per token."""
     return bool(safe_gate) or (use_gate_in_kernel and lower_bound is not None and lower_bound >= -5.0)
+
+
+def chunk_kda_fwd_intra(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor, *,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, safe_gate: bool,
+    lower_bound: float | None, cu_seqlens: torch.Tensor | None, plan: KDAPlan,
+) -> tuple[torch.Tensor, ...]:
+    """Kernel 1 on validated inputs (see chunk_kda_fwd): allocates the temporaries and writes U into ``o``.
+
+    Returns ``(w, qg, kd, aqk, gc, table)``: W, qΓ, kd ``[B, T, HV, K]`` and Aqk
+    ``[B, T, HV, C]`` (row i of a chunk holds ``Aqk[i, :]``; tail rows are not written) in q's
+    dtype, ``exp(g_C)`` fp32 ``[plan.num_chunks, HV, K]`` (global chunk order: sequence by
+    sequence), and the int32 chunk table of ``plan.forward_chunk_table`` (None without
+    cu_seqlens). ``o`` ``[B, T, HV, V]`` receives ``U = Tinv (beta v)`` in its dtype.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    C = CHUNK_SIZE
+    BK, BV = block_size(K), block_size(V)
+    dev = q.device
+    varlen = cu_seqlens is not None
+    NT = plan.num_chunks
+    table = pairs = None
+    if varlen:
+        table = forward_chunk_table(plan.seqlens, device=dev)
+        pairs = table[: 2 * NT]
+    w = torch.empty((B, T, HV, K), dtype=q.dtype, device=dev)
+    qg = torch.empty_like(w)
+    kd = torch.empty_like(w)
+    aqk = torch.empty((B, T, HV, C), dtype=q.dtype, device=dev)
+    gc = torch.empty((NT, HV, K), dtype=torch.float32, device=dev)
+    if NT * HV == 0:
+        return w, qg, kd, aqk, gc, table
+    chunk_kda_fwd_intra_kernel[(NT, HV)](
+        q, k, v, g, beta, A_log, dt_bias, w, qg, kd, o, aqk, gc, cu_seqlens, pairs,
+        float(lower_bound) if lower_bound is not None else 0.0, T, H, HV, triton.cdiv(T, C),
+        K=K, V=V, C=C, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), GATE=gate_mode(use_gate_in_kernel, lower_bound),
+        HAS_A_LOG=A_log is not None and use_gate_in_kernel,
+        HAS_BIAS=dt_bias is not None and use_gate_in_kernel,
+        USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+        NEG_EIGVAL=bool(allow_neg_eigval and use_beta_sigmoid_in_kernel),
+        SAFE=uses_safe_path(safe_gate, use_gate_in_kernel, lower_bound), IS_VARLEN=varlen,
+        DOT_PREC=_dot_precision(q.dtype), EMULATE_BF16=triton_interpreting() and q.dtype == torch.bfloat16,
+        num_warps=INTRA_NUM_WARPS, num_stages=1,
+    )
+    return w, qg, kd, aqk, gc, table
 
 
 def chunk_kda_fwd(
@@ -252,7 +405,7 @@ def chunk_kda_fwd(
     plan: KDAPlan | None = None,
     save_checkpoints: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Run the chunked KDA forward kernel on validated inputs.
+    """Run the chunked KDA forward kernels on validated inputs.
 
     Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta
     ``[B, T, HV]`` (contiguous; fp16/bf16/fp32); A_log ``[HV]``, dt_bias ``[HV*K]`` (fp32);
@@ -262,7 +415,8 @@ def chunk_kda_fwd(
     Returns ``o`` ``[B, T, HV, V]`` in v's dtype, the final state (fp32, requested layout)
     or None, and the checkpoints fp32 ``[plan.num_checkpoints, HV, K, V]`` or None (see
     ``plan.checkpoint_offsets`` for their rows). ``plan`` defaults to ``plan_kda`` of the
-    shapes (it fixes the checkpoint cadence and the V block).
+    shapes (it fixes the checkpoint cadence and the V block). Allocates, in this order, what
+    ``plan.allocations`` lists for the forward; the intra-chunk temporaries are freed on return.
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not t.is_contiguous():
@@ -283,7 +437,11 @@ def chunk_kda_fwd(
         )
     N = plan.num_sequences
     L = plan.checkpoint_every_n_tokens
-    BK, BV = block_size(K), min(plan.block_v, block_size(V))
+    C = CHUNK_SIZE
+    BK = block_size(K)
+    BV = min(plan.block_v, block_size(V))
+    if q.dtype == torch.float32:
+        BV = min(BV, FP32_MAX_BLOCK_V)
     dev = q.device
 
     o = torch.empty_like(v)
@@ -299,25 +457,27 @@ def chunk_kda_fwd(
             final.copy_(_initial_or_zeros(initial_state, final))
         return o, final, ckpts
 
+    varlen = cu_seqlens is not None
+    interp = triton_interpreting()
+    w, qg, kd, aqk, gc, table = chunk_kda_fwd_intra(
+        q, k, v, g, beta, o, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+        plan=plan)
+    chunk_offsets = table[2 * plan.num_chunks:] if varlen else None
+
     h0_strides = _state_strides(initial_state, state_v_first) if initial_state is not None else (0, 0, 0, 0)
     ht_strides = _state_strides(final, state_v_first) if final is not None else (0, 0, 0, 0)
-    grid = (N * HV, triton.cdiv(V, BV))
-    chunk_kda_fwd_kernel[grid](
-        q, k, v, g, beta, A_log, dt_bias, initial_state, o, final, ckpts, cu_seqlens, offsets,
-        float(scale), float(lower_bound) if lower_bound is not None else 0.0, T, H, HV,
-        *h0_strides, *ht_strides, L,
-        K=K, V=V, C=CHUNK_SIZE, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK),
-        GATE=gate_mode(use_gate_in_kernel, lower_bound),
-        HAS_A_LOG=A_log is not None and use_gate_in_kernel,
-        HAS_BIAS=dt_bias is not None and use_gate_in_kernel,
-        USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-        NEG_EIGVAL=bool(allow_neg_eigval and use_beta_sigmoid_in_kernel),
-        SAFE=uses_safe_path(safe_gate, use_gate_in_kernel, lower_bound),
-        IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=final is not None,
-        STORE_CKPT=ckpts is not None, DOT_PREC=_dot_precision(q.dtype), INV_DOUBLING=USE_DOUBLING_INVERSE,
-        LOOP_WHILE=triton_interpreting(),
-        num_warps=fwd_num_warps(BK, BV), num_stages=FWD_NUM_STAGES,
+    chunk_kda_fwd_state_kernel[(N * HV, triton.cdiv(V, BV))](
+        w, qg, kd, aqk, gc, o, initial_state, final, ckpts, cu_seqlens, chunk_offsets, offsets,
+        float(scale), T, HV, triton.cdiv(T, C), *h0_strides, *ht_strides, L,
+        K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=varlen, HAS_H0=initial_state is not None,
+        STORE_HT=final is not None, STORE_CKPT=ckpts is not None,
+        OP_BF16=STATE_BF16_OPERANDS and q.dtype == torch.bfloat16, EMULATE_BF16=interp and q.dtype == torch.bfloat16,
+        DOT_PREC=_dot_precision(q.dtype),
+        LOOP_WHILE=interp, num_warps=state_num_warps(BK, BV), num_stages=STATE_NUM_STAGES,
     )
+    del w, qg, kd, aqk, gc, table, chunk_offsets
     return o, final, ckpts
 
 

@@ -11,17 +11,25 @@ and dO exist before the call; the launchers ``chunk_fwd.chunk_kda_fwd`` and
 ``chunk_bwd.chunk_kda_bwd`` allocate in this order):
 
 * forward: O, the optional final state, the checkpoint row offsets (freed when the launcher
-  returns) and the checkpoints (saved for backward);
+  returns) and the checkpoints (saved for backward); then the forward-only temporaries of the
+  intra-chunk kernel: the packed-sequence chunk table (int32, varlen only), W, qΓ, kd
+  ``[B, T, HV, K]`` and Aqk ``[B, T, HV, C]`` in the token dtype, ``exp(g_C)`` fp32
+  ``[chunks, HV, K]`` (U is written into O). The two forward kernels run (``forward_peak_bytes``
+  is the running total here) and the temporaries are freed before the launcher returns. They
+  take ``(3K + C)·b + 4K/C`` bytes per token and value head (b = token dtype bytes; about
+  6.5·T·HV·D at K = V = D = 128, bf16) while the backward later adds dq, dk, dv, dg, dbeta
+  (8·T·H·D + 2·T·H bytes) and its workspace, so for the usual shapes the forward stays below
+  the backward at any T; the plan does not assume it: the peak is the max over the timeline;
 * backward: the offsets again, every gradient once (with GVA, HV > H, dq/dk start as fp32
   per-value-head partials ``[B, T, HV, K]``), the parameter partials, the fp32 dh0, then the
   workspace (per-program state slots, bounded by the number of programs, not by T); the
   kernel runs; the workspace is freed; GVA partials are summed over the group (an fp32
   ``[B, T, H, K]`` temporary, then the dtype cast); parameter sums; dh0 cast to the
   initial state's dtype when that is not fp32.
-* ``predicted_peak_bytes`` is the maximum of the running total; ``transient_bytes`` is what it
-  exceeds floor (inputs + dO + O + gradients) + saved + backward workspace by: the GVA
-  partials, or slightly negative without GVA (dA_log and ddt_bias are allocated after the
-  workspace is freed).
+* ``predicted_peak_bytes`` is the maximum of the running total over both phases;
+  ``transient_bytes`` is what it exceeds floor (inputs + dO + O + gradients) + saved +
+  backward workspace by: the GVA partials, or slightly negative without GVA (dA_log and
+  ddt_bias are allocated after the workspace is freed).
 
 Checkpoint layout (shared with the kernels): fp32 ``[num_checkpoints, HV, K, V]`` (always
 K-major); sequence n's checkpoint j is the state before its token ``j * L`` and sits at row
@@ -102,9 +110,9 @@ class KDAPlan:
     num_checkpoints: int
     checkpoint_bytes: int
     saved_bytes: int  # state checkpoints (+ their 512-byte row offsets)
-    forward_workspace_bytes: int
+    forward_workspace_bytes: int  # forward-only temporaries (intra-chunk outputs, chunk table)
     backward_workspace_bytes: int
-    transient_bytes: int
+    transient_bytes: int  # predicted peak - (floor + saved + backward workspace)
     floor_bytes: int
     forward_peak_bytes: int
     predicted_peak_bytes: int
@@ -114,6 +122,7 @@ class KDAPlan:
     # Program order: ("alloc" | "free" | "mark", name) over ``allocations`` (a name may be
     # allocated, freed and allocated again, e.g. checkpoint_offsets); marks name phases.
     events: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    num_chunks: int = 0  # chunks of C tokens over all sequences (the forward intra kernel's grid)
 
     @property
     def workspace_bytes(self) -> int:
@@ -165,6 +174,31 @@ def checkpoint_offsets(cu_seqlens=None, *, B: int | None = None, T: int | None =
     if device is None and isinstance(cu_seqlens, torch.Tensor):
         device = cu_seqlens.device
     return torch.tensor(offs, dtype=torch.int64, device=device)
+
+
+def chunk_counts(lengths: Sequence[int]) -> list[int]:
+    """``ceil(len_n / C)`` chunks per sequence (0 for an empty sequence)."""
+    return [-(-int(n) // CHUNK_SIZE) for n in lengths]
+
+
+def forward_chunk_table(lengths: Sequence[int], device=None) -> torch.Tensor:
+    """The forward's packed-sequence chunk table: int32 ``[2 * NT + N + 1]``.
+
+    Entries ``2 i`` and ``2 i + 1`` are (sequence, chunk within it) of global chunk ``i``
+    (sequences in order, chunks in order, none for an empty sequence); the last ``N + 1``
+    entries are each sequence's first global chunk (the last one is NT). Built on the host
+    from the lengths the plan already holds and copied once (one allocation on ``device``).
+    """
+    counts = torch.tensor(chunk_counts(lengths), dtype=torch.int64)
+    firsts = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    firsts[1:] = torch.cumsum(counts, 0)
+    nt = int(firsts[-1])
+    seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    local = torch.arange(nt) - firsts[:-1].repeat_interleave(counts)
+    table = torch.cat([torch.stack([seq, local], 1).reshape(-1), firsts])
+    if nt + len(counts) >= 2**31:
+        raise ValueError(f"the chunk table needs int32 entries, got {nt} chunks")
+    return table.to(torch.int32).to(device) if device is not None else table.to(torch.int32)
 
 
 def _check_cadence(L) -> None:
@@ -291,16 +325,26 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
         add("initial_state", (N, HV, K, V), initial_state_dtype, "inputs/dO/O", "forward")
     add("do", (B, T, HV, V), dtype, "inputs/dO/O", "backward")
 
-    # Forward: O, the final state, the checkpoints (saved) and their row offsets (launcher-local).
+    # Forward: O, the final state, the checkpoints and their row offsets (both saved for backward).
     add("o", (B, T, HV, V), dtype, "inputs/dO/O", "forward")
     if output_final_state:
         add("final_state", (N, HV, K, V), f32, "inputs/dO/O", "forward")
+    n_chunks = sum(chunk_counts(lengths))
+    fwd_temps = ()
     if backend == "triton":
         add("checkpoint_offsets", (N + 1,), torch.int64, "state checkpoints", "saved")
         add("checkpoints", (n_ckpt, HV, K, V), f32, "state checkpoints", "saved")
+        # Intra-chunk kernel outputs read by the state kernel (chunk_fwd); U is written into o.
+        if cu_seqlens is not None:
+            add("fwd_chunk_table", (2 * n_chunks + N + 1,), torch.int32, "workspace", "forward")
+        for name in ("fwd_w", "fwd_qg", "fwd_kd"):
+            add(name, (B, T, HV, K), dtype, "recompute intermediates", "forward")
+        add("fwd_aqk", (B, T, HV, CHUNK_SIZE), dtype, "recompute intermediates", "forward")
+        add("fwd_decay_last", (n_chunks, HV, K), f32, "recompute intermediates", "forward")
+        fwd_temps = tuple(a.name for a in allocs if a.phase == "forward" and a.name.startswith("fwd_"))
     events.append(("mark", "forward"))
     if backend == "triton":
-        free("checkpoint_offsets")  # launcher-local; the backward rebuilds them (512 bytes)
+        free(*fwd_temps)  # freed before the launcher returns
     if output_final_state:
         # autograd hands a zero cotangent for an unused final state
         add("d_final_state", (N, HV, K, V), f32, "inputs/dO/O", "backward")
@@ -309,7 +353,6 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
     # the workspace is freed before the GVA reductions and the parameter sums.
     gva = HV > H
     if backend == "triton":
-        events.append(("alloc", "checkpoint_offsets"))
         if gva:
             add("bwd_dq_partials", (B, T, HV, K), f32, "stage buffers", "backward")
             add("bwd_dk_partials", (B, T, HV, K), f32, "stage buffers", "backward")
@@ -374,16 +417,18 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
 
     floor = total(lambda a: a.group in ("inputs/dO/O", "gradient outputs"))
     saved = total(lambda a: a.phase == "saved")
-    bwd_ws = total(lambda a: a.group == "workspace")
+    bwd_ws = total(lambda a: a.group == "workspace" and a.phase == "backward")
+    fwd_ws = total(lambda a: a.name in fwd_temps)
     transient = peak - (floor + saved + bwd_ws) if backend == "triton" else 0
     return KDAPlan(
         backend=backend, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, seqlens=tuple(lengths),
         chunk_size=CHUNK_SIZE, checkpoint_every_n_tokens=L, recompute_every_n_tokens=L2,
         recompute_in_backward=True, block_v=bv, num_sequences=N, num_checkpoints=n_ckpt,
         checkpoint_bytes=total(lambda a: a.name == "checkpoints"), saved_bytes=saved,
-        forward_workspace_bytes=0, backward_workspace_bytes=bwd_ws, transient_bytes=transient,
+        forward_workspace_bytes=fwd_ws, backward_workspace_bytes=bwd_ws, transient_bytes=transient,
         floor_bytes=floor, forward_peak_bytes=fwd_peak,
         predicted_peak_bytes=peak if backend == "triton" else floor + saved, peak_at=peak_at,
         events=tuple(events),
         allocations=tuple(allocs), peak_model="exact" if backend == "triton" else "lower bound",
+        num_chunks=n_chunks,
     )
