@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU tier and the benchmarks in one go, on the H200 (device tool), results under $OUT.
+#
+#   bash benchmarks/run_gpu.sh [STAGE ...]   stages, in priority order:
+#       env chunk recurrent tests fla        (default: all)
+#   chunk     correctness gate + kdakit at the four SPEC §3 shapes (bench_chunk.py)
+#   recurrent decode and recurrent fwd+bwd benchmark (bench_recurrent.py)
+#   tests     the GPU test tier (tests marked gpu)
+#   fla       FLA 0.6.0 at SPEC shapes in the same run (FLA_SHAPES; autotuning takes minutes)
+# Each stage has a wall-clock limit (STAGE_LIMIT_<stage>, seconds) so the whole call fits the
+# device's 10-minute command limit and every stage's file is written even if a later one is cut.
+# FLA 0.6.0 travels as a wheel in .whl/ (pure Python; einops is on the machine).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(env chunk recurrent tests fla)
+has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+# Autotune results are cached on disk so each fresh measurement process reuses them.
+export TRITON_CACHE_AUTOTUNING=1
+export FLA_DISABLE_BACKEND_DISPATCH=1
+SHAPES=${SHAPES:-1x8192:96,8x8192:16,1x8192:128,1x131072:96}
+FLA_SHAPES=${FLA_SHAPES:-$SHAPES}
+rc=0
+
+if has env; then
+    python3 - <<'PY' | tee "$OUT/env.json"
+import datetime, json, subprocess, torch, triton
+sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                  "cuda": torch.version.cuda, "git_sha": sha, "git_dirty": bool(dirty),
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}))
+PY
+fi
+
+if has chunk; then
+    timeout "${STAGE_LIMIT_chunk:-240}" python3 benchmarks/bench_chunk.py --backends kdakit --shapes "$SHAPES" \
+        --cell-timeout 120 --out "$OUT/chunk_kdakit.json" 2>&1 | tee "$OUT/chunk_kdakit.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+
+if has recurrent; then
+    timeout "${STAGE_LIMIT_recurrent:-100}" python3 benchmarks/bench_recurrent.py --out "$OUT/recurrent_bench.json" \
+        2>&1 | tee "$OUT/recurrent_bench.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+
+if has tests; then
+    KDAKIT_TEST_TIER=gpu timeout "${STAGE_LIMIT_tests:-100}" python3 -m pytest -q -m gpu -rs -x \
+        ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/gpu_tests.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+
+if has fla; then
+    timeout "${STAGE_LIMIT_fla:-240}" python3 benchmarks/bench_chunk.py --backends fla --skip-gate --shapes "$FLA_SHAPES" \
+        --cell-timeout "${STAGE_LIMIT_fla:-240}" --out "$OUT/chunk_fla.json" 2>&1 | tee "$OUT/chunk_fla.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+exit $rc

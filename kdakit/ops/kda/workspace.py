@@ -1,0 +1,180 @@
+"""Scratch memory for the recurrent KDA kernels, and the CUDA-graph contract.
+
+``Workspace(device)`` is caller-owned scratch: named flat buffers that grow to the
+largest request seen and are then reused, so a second call at a shape allocates
+nothing. Calls that pass no workspace use a stream-local one (one per device and
+stream, kept for the life of the process), so the same holds for them.
+
+CUDA graphs (``torch.cuda.CUDAGraph``):
+
+1. Allocate the inputs and, through ``out=``, every output the call returns.
+2. Make one eager call on the capture stream with exactly those tensors and options,
+   then synchronize that stream. This validates the arguments (which may read
+   ``cu_seqlens`` or ``state_indices`` on the host), sizes every scratch buffer and
+   records the call's signature (pointers, shapes, strides, dtypes, options) in the
+   workspace.
+3. Capture the same call. While a capture is running, a call whose signature was not
+   recorded raises ``RuntimeError``, and a scratch request that does not fit the
+   existing buffers raises instead of allocating. Validation is skipped for a recorded
+   signature (it would need a host sync), so the capture performs no allocation and no
+   synchronization.
+4. Replays run the same kernels on the same buffers, so they give the eager call's bits.
+
+A workspace used by a graph must outlive the graph, and must not be shared by work
+that runs concurrently on two streams (its buffers would race).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+
+import torch
+
+# How many call signatures a workspace remembers for graph capture (least recently used go first).
+MAX_PREPARED_SIGNATURES = 256
+
+
+def is_capturing(device: torch.device) -> bool:
+    """True while a CUDA graph is being captured on the current stream of ``device``."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class Workspace:
+    """Caller-owned scratch for ``fused_recurrent_kda``'s backward, ``recurrent_kda_backward`` and ``kda_decode``.
+
+    Args:
+        device: where the buffers live (``"cuda"``, ``torch.device("cuda", 1)``, ``"cpu"``).
+
+    Buffers are named; ``buffer(name, shape, dtype)`` returns a view of the named buffer,
+    reallocating only when the request is larger than what it holds (or of another dtype).
+    ``nbytes`` reports what the workspace holds.
+    """
+
+    def __init__(self, device) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._prepared: OrderedDict[tuple, None] = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"Workspace(device={self.device}, buffers={len(self._buffers)}, nbytes={self.nbytes})"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def buffer(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` and ``dtype`` backed by the named buffer (contents undefined)."""
+        shape = tuple(int(s) for s in shape)
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            if is_capturing(self.device):
+                raise RuntimeError(
+                    f"workspace buffer {name!r} needs {numel} elements of {dtype} during CUDA-graph capture, "
+                    f"but holds {0 if buf is None else buf.numel()} of {None if buf is None else buf.dtype}: "
+                    "make one eager call with the exact tensors on the capture stream before capturing"
+                )
+            # Drop the old buffer first so its memory can be reused by the new one.
+            self._buffers.pop(name, None)
+            del buf
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+    def mark_prepared(self, signature: tuple) -> None:
+        """Record a validated call so that it may later be captured without re-validation."""
+        self._prepared[signature] = None
+        self._prepared.move_to_end(signature)
+        while len(self._prepared) > MAX_PREPARED_SIGNATURES:
+            self._prepared.popitem(last=False)
+
+    def is_prepared(self, signature: tuple) -> bool:
+        return signature in self._prepared
+
+
+_STREAM_LOCAL: dict[tuple, Workspace] = {}
+_STREAM_LOCAL_LOCK = threading.Lock()
+
+
+def stream_local_workspace(device: torch.device) -> Workspace:
+    """The reusable workspace of ``device``'s current stream (created on first use)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = ("cuda", index, torch.cuda.current_stream(index).cuda_stream)
+        device = torch.device("cuda", index)
+    else:
+        key = (device.type, device.index, 0)
+    with _STREAM_LOCAL_LOCK:
+        ws = _STREAM_LOCAL.get(key)
+        if ws is None:
+            if is_capturing(device):
+                raise RuntimeError(
+                    "no stream-local workspace exists for the capture stream: make one eager call with the exact "
+                    "tensors on the capture stream before capturing (or pass workspace=Workspace(device))"
+                )
+            ws = Workspace(device)
+            _STREAM_LOCAL[key] = ws
+    return ws
+
+
+def resolve_workspace(workspace: Workspace | None, device: torch.device) -> Workspace:
+    """The caller's workspace (checked to be on ``device``) or the stream-local one."""
+    if workspace is None:
+        return stream_local_workspace(device)
+    if not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace must be a kdakit Workspace or None, got {type(workspace).__name__}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if workspace.device != dev:
+        raise ValueError(f"workspace must be on the inputs' device {dev}, got a workspace on {workspace.device}")
+    return workspace
+
+
+def call_signature(*items) -> tuple:
+    """A hashable key of a call: pointer, shape, stride and dtype of each tensor, other values as they are."""
+    key = []
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            key.append(("T", x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device))
+        elif isinstance(x, (list, tuple)):
+            key.append(call_signature(*x))
+        else:
+            key.append(x)
+    return tuple(key)
+
+
+def check_prepared_for_capture(ws: Workspace, signature: tuple, what: str) -> bool:
+    """During capture: True if this exact call was prepared by an eager warm call, else raise.
+
+    Outside capture: False (the caller validates and then calls ``ws.mark_prepared``).
+    """
+    if not is_capturing(ws.device):
+        return False
+    if not ws.is_prepared(signature):
+        raise RuntimeError(
+            f"{what} is being captured in a CUDA graph with arguments no eager call prepared: make one eager call "
+            "with the exact tensors and options on the capture stream (with the same workspace) before capturing"
+        )
+    return True
+
+
+def check_out(name: str, out, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Check a preallocated output: a contiguous tensor of the expected shape, dtype and device."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {out.dtype}")
+    if out.device != torch.device(device):
+        raise ValueError(f"{name} must be on {device}, got {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {tuple(out.stride())}")
+    return out

@@ -1,0 +1,282 @@
+"""GPU tier for recurrent KDA and decode: real shapes, every gradient, NaN-poisoned buffers,
+bitwise reruns, CUDA-graph capture (no allocation) and replay == eager."""
+
+import pytest
+import torch
+
+from kdakit.ops.kda.decode import kda_decode, kda_decode_reference
+from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
+from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.recurrent_backward import GRAD_NAMES, recurrent_kda_backward
+from kdakit.ops.kda.workspace import Workspace
+from kdakit.testing import assert_close, make_kda_inputs
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+# bf16 inputs and bf16 gradients against the float64 definition: bf16 rounding of inputs
+# and outputs is ~2^-9 relative, sums over long sequences grow it a little.
+BF16_RATIO = 2e-2
+FP32_RATIO = 1e-4
+
+
+def _inputs(seed, dtype=torch.bfloat16, **kw):
+    inp = make_kda_inputs(generator=torch.Generator().manual_seed(seed), dtype=dtype, device=DEV, **kw)
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    return t, dict(inp["kwargs"])
+
+
+def _cotangents(seed, t, kw, N):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    do = torch.randn(t["v"].shape, generator=gen, device=DEV).to(t["v"].dtype)
+    HV, V, K = t["v"].shape[2], t["v"].shape[3], t["q"].shape[3]
+    shape = (N, HV, V, K) if kw.get("state_v_first") else (N, HV, K, V)
+    return do, torch.randn(shape, generator=gen, device=DEV)
+
+
+def _call_fwd(t, kw, **extra):
+    return fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t.get("A_log"),
+                               dt_bias=t.get("dt_bias"), initial_state=t.get("initial_state"), **dict(kw, **extra))
+
+
+def _bwd_args(t, kw, do, dht):
+    named = {n: t.get(n) for n in ("A_log", "dt_bias", "initial_state")}
+    opts = {n: x for n, x in kw.items() if n != "output_final_state"}
+    return (t["q"], t["k"], t["v"], t["g"], t["beta"], do, dht), dict(named, **opts)
+
+
+def _naive_grads(t, kw, do, dht):
+    d = {n: x.double().requires_grad_() for n, x in t.items()}
+    o, ht = naive_recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=d.get("A_log"),
+                                dt_bias=d.get("dt_bias"), initial_state=d.get("initial_state"),
+                                **dict(kw, output_final_state=True))
+    present = [n for n in NAMES if n in d]
+    grads = torch.autograd.grad([o, ht], [d[n] for n in present], [do.double(), dht.double()])
+    return o.detach(), ht.detach(), dict(zip(present, grads))
+
+
+SHAPES = {
+    "B1 T17 H16 K=V=128": dict(B=1, T=17, H=16, K=128, V=128, gate="safe", initial_state="vk"),
+    "varlen [17, 33, 65] H4": dict(T=115, H=4, K=128, V=128, gate="safe", seqlens=[17, 33, 65], initial_state="vk"),
+    "varlen with empty, GVA 2x, softplus": dict(T=70, H=4, HV=8, K=128, V=128, gate="softplus",
+                                                seqlens=[30, 0, 40], initial_state="kv"),
+    "T1 decode-like B64 H8": dict(B=64, T=1, H=8, K=128, V=128, gate="safe", initial_state="vk"),
+    "K64 V96 log-decay": dict(B=2, T=40, H=2, HV=4, K=64, V=96, gate="none", initial_state="kv"),
+}
+
+
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_forward_and_every_gradient_at_real_shapes(case):
+    t, kw = _inputs(1, **SHAPES[case])
+    N = len(kw["cu_seqlens"]) - 1 if "cu_seqlens" in kw else t["q"].shape[0]
+    do, dht = _cotangents(2, t, kw, N)
+    o, ht = _call_fwd(t, kw)
+    pos, named = _bwd_args(t, kw, do, dht)
+    grads = recurrent_kda_backward(*pos, **named)
+    ref_o, ref_ht, ref = _naive_grads(t, kw, do, dht)
+    assert_close("o", ref_o, o, BF16_RATIO)
+    assert_close("final_state", ref_ht, ht, FP32_RATIO * 10)
+    for gname, name in zip(GRAD_NAMES, NAMES):
+        if name in ref:
+            assert_close(gname, ref[name], getattr(grads, gname), BF16_RATIO)
+
+
+def test_autograd_equals_direct_backward_bitwise():
+    t, kw = _inputs(3, **SHAPES["varlen [17, 33, 65] H4"])
+    do, dht = _cotangents(4, t, kw, 3)
+    leaves = {n: x.clone().requires_grad_() for n, x in t.items()}
+    o, ht = _call_fwd(leaves, kw)
+    auto = torch.autograd.grad([o, ht], [leaves[n] for n in NAMES if n in leaves], [do, dht])
+    pos, named = _bwd_args(t, kw, do, dht)
+    direct = recurrent_kda_backward(*pos, **named)
+    for a, d in zip(auto, [x for x in direct if x is not None]):
+        assert torch.equal(a, d)
+
+
+def _poisoned_out(t):
+    return [None if t.get(n) is None else torch.full_like(t[n], float("nan")) for n in NAMES]
+
+
+def test_poisoned_buffers_and_bitwise_reruns():
+    t, kw = _inputs(5, **SHAPES["varlen with empty, GVA 2x, softplus"])
+    do, dht = _cotangents(6, t, kw, 3)
+    pos, named = _bwd_args(t, kw, do, dht)
+    ws = Workspace(DEV)
+    first = recurrent_kda_backward(*pos, **named, workspace=ws, out=_poisoned_out(t))
+    for gname, x in zip(GRAD_NAMES, first):
+        assert x is None or torch.isfinite(x).all(), gname
+    for buf in ws._buffers.values():
+        buf.fill_(float("nan"))
+    again = recurrent_kda_backward(*pos, **named, workspace=ws, out=_poisoned_out(t))
+    for a, b in zip(first, again):
+        assert (a is None and b is None) or torch.equal(a, b)
+    o1, h1 = _call_fwd(t, kw, out=torch.full_like(t["v"], float("nan")))
+    o2, h2 = _call_fwd(t, kw)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+
+
+def _allocations():
+    s = torch.cuda.memory_stats()
+    return s.get("allocation.all.allocated", 0), s.get("segment.all.allocated", 0)
+
+
+def test_cuda_graph_forward_and_backward_capture_and_replay():
+    t, kw = _inputs(7, B=1, T=1024, H=4, K=128, V=128, gate="safe", initial_state="vk")
+    do, dht = _cotangents(8, t, kw, 1)
+    o_buf = torch.empty_like(t["v"])
+    ht_buf = torch.empty(1, 4, 128, 128, device=DEV)
+    grads_out = [torch.empty_like(t[n]) for n in NAMES]
+    ws = Workspace(DEV)
+    pos, named = _bwd_args(t, kw, do, dht)
+
+    def step():
+        with torch.no_grad():
+            _call_fwd(t, kw, out=o_buf, final_state_out=ht_buf, workspace=ws)
+        recurrent_kda_backward(*pos, **named, workspace=ws, out=grads_out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # the eager warm call on the capture stream
+    stream.synchronize()
+    eager = [x.clone() for x in [o_buf, ht_buf, *grads_out]]
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        # counted inside the block: capture_begin itself allocates the generator's graph state
+        before = _allocations()
+        step()
+        during = _allocations()
+    assert during == before, "the capture allocated memory"
+
+    for x in [o_buf, ht_buf, *grads_out]:
+        x.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, [o_buf, ht_buf, *grads_out]):
+        assert torch.equal(a, b)
+
+    # new input values, same tensors: replay == a fresh eager call
+    for n in ("q", "k", "v", "g"):
+        t[n].copy_(torch.randn_like(t[n], dtype=torch.float32).to(t[n].dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [x.clone() for x in [o_buf, ht_buf, *grads_out]]
+    with torch.cuda.stream(stream):
+        step()
+    stream.synchronize()
+    for a, b in zip(replayed, [o_buf, ht_buf, *grads_out]):
+        assert torch.equal(a, b)
+
+
+def test_capture_without_warm_call_raises():
+    t, kw = _inputs(9, B=1, T=4, H=2, K=64, V=64, gate="safe", initial_state="vk")
+    o_buf = torch.empty_like(t["v"])
+    ht_buf = torch.empty(1, 2, 64, 64, device=DEV)
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="eager call"):
+        with torch.cuda.graph(graph, stream=stream):
+            with torch.no_grad():
+                _call_fwd(t, kw, out=o_buf, final_state_out=ht_buf, workspace=Workspace(DEV))
+
+
+# --- decode -----------------------------------------------------------------------------------
+
+def _decode_inputs(seed, N, T, H=32, K=128, V=128):
+    t, kw = _inputs(seed, B=N, T=T, H=H, K=K, V=V, gate="safe")
+    kw.pop("safe_gate")
+    return t, kw
+
+
+def _decode(t, kw, pool, idx, **extra):
+    return kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, A_log=t["A_log"],
+                      dt_bias=t["dt_bias"], **dict(kw, **extra))
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4])
+def test_decode_real_shapes(pool_dtype, T):
+    N, P = 64, 80
+    t, kw = _decode_inputs(10, N, T)
+    pool = (0.3 * torch.randn(P, 32, 128, 128, device=DEV)).to(pool_dtype)
+    idx = torch.randperm(P, device=DEV)[:N].to(torch.int32)
+    idx[::7] = -1
+    before = pool.clone()
+    o = _decode(t, kw, pool, idx)
+    ref_pool = before.clone()
+    ref_o = torch.empty_like(o)
+    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, None, ref_o,
+                         A_log=t["A_log"], dt_bias=t["dt_bias"], scale=128 ** -0.5, cu_seqlens=None, N=N,
+                         lower_bound=kw["lower_bound"], use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                         use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False)
+    assert_close("o", ref_o, o, 1e-2 if pool_dtype == torch.bfloat16 else BF16_RATIO)
+    assert_close("pool", ref_pool.float(), pool.float(), 1e-2 if pool_dtype == torch.bfloat16 else 1e-5)
+    used = set(idx.tolist())
+    for r in range(P):
+        if r not in used:
+            assert torch.equal(pool[r], before[r]), r
+    padded = (idx < 0).nonzero().flatten()
+    assert torch.equal(o[padded], torch.zeros_like(o[padded]))
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_decode_multi_token_equals_single_steps_bitwise(pool_dtype):
+    t, kw = _decode_inputs(11, 16, 3)
+    pool_a = (0.3 * torch.randn(20, 32, 128, 128, device=DEV)).to(pool_dtype)
+    pool_b = pool_a.clone()
+    idx = torch.arange(16, device=DEV, dtype=torch.int32)
+    o_all = _decode(t, kw, pool_a, idx)
+    for j in range(3):
+        step = {n: (x[:, j:j + 1].contiguous() if x.dim() >= 3 else x) for n, x in t.items()}
+        assert torch.equal(_decode(step, kw, pool_b, idx)[:, 0], o_all[:, j])
+    assert torch.equal(pool_a, pool_b)
+
+
+def test_decode_bf16_state_error_over_4096_steps():
+    """Triton bf16 pool vs fp32 pool over 4096 tokens at K = V = 128 (bound as in the CPU test)."""
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    N, T, H, K, V = 2, 4096, 2, 128, 128
+    q, k = (torch.randn(N, T, H, K, device=DEV, generator=gen) for _ in range(2))
+    v = torch.randn(N, T, H, V, device=DEV, generator=gen)
+    g = -(0.05 + 0.5 * torch.nn.functional.softplus(torch.randn(N, T, H, K, device=DEV, generator=gen)))
+    beta = torch.randn(N, T, H, device=DEV, generator=gen)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, check_indices=False)
+    idx = torch.arange(N, device=DEV, dtype=torch.int32)
+    pool32 = torch.zeros(N, H, V, K, device=DEV)
+    pool16 = torch.zeros(N, H, V, K, device=DEV, dtype=torch.bfloat16)
+    o32 = kda_decode(q, k, v, g, beta, pool32, idx, **kw)
+    o16 = kda_decode(q, k, v, g, beta, pool16, idx, **kw)
+    u = 2.0 ** -8
+    rel = (pool16.float() - pool32).flatten(1).norm(dim=1) / pool32.flatten(1).norm(dim=1)
+    assert rel.max() < 2 * u and rel.min() > 0.1 * u, rel
+    assert_close("o", o32, o16, 2 * u)
+
+
+def test_decode_cuda_graph_capture_and_replay():
+    N, P = 64, 64
+    t, kw = _decode_inputs(13, N, 1)
+    pool = (0.3 * torch.randn(P, 32, 128, 128, device=DEV)).to(torch.bfloat16)
+    idx = torch.randperm(P, device=DEV)[:N].to(torch.int32)
+    out = torch.empty_like(t["v"])
+    ws = Workspace(DEV)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    start = pool.clone()
+    with torch.cuda.stream(stream):
+        _decode(t, kw, pool, idx, out=out, workspace=ws)
+    stream.synchronize()
+    eager_o, eager_pool = out.clone(), pool.clone()
+    pool.copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        before = _allocations()
+        _decode(t, kw, pool, idx, out=out, workspace=ws)
+        during = _allocations()
+    assert during == before, "the capture allocated memory"
+    pool.copy_(start)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_o) and torch.equal(pool, eager_pool)

@@ -1,0 +1,262 @@
+"""Recurrent KDA (fused_recurrent_kda, recurrent_kda_backward) against the naive definition.
+
+The Triton kernels run under the interpreter (KDAKIT_BACKEND=triton, TRITON_INTERPRET=1 from
+conftest) on tiny shapes with fp32 inputs; references are the naive recurrence in float64.
+"""
+
+import pytest
+import torch
+
+from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
+from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.recurrent_backward import GRAD_NAMES, KDAGrads, recurrent_kda_backward
+from kdakit.ops.kda.workspace import Workspace
+from kdakit.testing import assert_close, make_kda_inputs, run_kda
+
+SEED = 7
+# fp32 kernels vs the float64 definition: observed rms ratios are ~1e-7..5e-6 (the gate
+# gradient is a reverse cumulative sum, the loosest); 5e-5 leaves room without hiding bugs.
+FP32_RATIO = 5e-5
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+
+
+def _inputs(seed, **kw):
+    kw.setdefault("dtype", torch.float32)
+    return make_kda_inputs(generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def _as_float64(inp):
+    return {"tensors": {n: x.detach().double().requires_grad_() for n, x in inp["tensors"].items()},
+            "kwargs": inp["kwargs"]}
+
+
+def _check_against_naive(inp, ratio=FP32_RATIO, **extra):
+    got = run_kda(fused_recurrent_kda, inp, seed=SEED, **extra)
+    ref = run_kda(naive_recurrent_kda, _as_float64(inp), seed=SEED, **extra)
+    assert set(got) == set(ref)
+    for name, r in ref.items():
+        if r is None:
+            assert got[name] is None, name
+            continue
+        assert got[name].dtype == (inp["tensors"][name[1:]].dtype if name.startswith("d") else got[name].dtype)
+        assert_close(name, r, got[name], ratio)
+    return got
+
+
+# --- forward and every gradient, option by option -------------------------------------------
+
+CASES = {
+    # name: make_kda_inputs arguments
+    "log-decay gate, fixed length, GVA": dict(B=2, T=6, H=2, HV=4, K=8, V=8, gate="none"),
+    "softplus gate, varlen with empty sequences, [K,V] state": dict(
+        T=11, H=1, HV=2, K=8, V=12, gate="softplus", seqlens=[0, 4, 0, 7], initial_state="kv"),
+    "safe gate, value-first state": dict(B=2, T=5, H=2, HV=2, K=16, V=8, gate="safe", initial_state="vk"),
+    "safe gate without A_log, varlen, GVA x3": dict(
+        T=9, H=1, HV=3, K=8, V=8, gate="safe_no_alog", seqlens=[5, 4], initial_state="kv"),
+    "T = 1": dict(B=3, T=1, H=2, HV=2, K=8, V=8, gate="softplus", initial_state="vk"),
+    "K and V not powers of two": dict(B=1, T=5, H=1, HV=2, K=6, V=40, gate="softplus", initial_state="kv"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_gradients_match_naive(triton_backend, case):
+    _check_against_naive(_inputs(1, **CASES[case]))
+
+
+@pytest.mark.parametrize("opts", [
+    dict(allow_neg_eigval=True),
+    dict(use_beta_sigmoid_in_kernel=False),
+    dict(use_qk_l2norm_in_kernel=False),
+    dict(scale=0.3),
+], ids=["neg-eigval", "raw-beta", "no-l2norm", "scale"])
+def test_options_match_naive(triton_backend, opts):
+    inp = _inputs(2, B=1, T=7, H=2, HV=4, K=8, V=8, gate="softplus", initial_state="kv")
+    if opts.get("use_beta_sigmoid_in_kernel") is False:
+        # raw beta must be a usable beta: (0, 1)
+        inp["tensors"]["beta"] = torch.sigmoid(inp["tensors"]["beta"].detach()).requires_grad_()
+    if opts.get("use_qk_l2norm_in_kernel") is False:
+        for n in ("q", "k"):
+            inp["tensors"][n] = (0.3 * inp["tensors"][n].detach()).requires_grad_()
+    inp["kwargs"].update(opts)
+    _check_against_naive(inp)
+
+
+def test_lower_bound_without_safe_gate(triton_backend):
+    inp = _inputs(3, B=1, T=6, H=1, HV=2, K=8, V=8, gate="safe")
+    inp["kwargs"].update(safe_gate=False, lower_bound=-8.0)
+    _check_against_naive(inp)
+
+
+def test_bf16_initial_state(triton_backend):
+    inp = _inputs(4, B=2, T=4, H=1, HV=2, K=8, V=8, gate="softplus", initial_state="kv_bf16")
+    got = _check_against_naive(inp, ratio=1e-2)
+    assert got["dinitial_state"].dtype == torch.bfloat16 and got["final_state"].dtype == torch.float32
+
+
+def test_empty_sequences_pass_state_and_gradient_through(triton_backend):
+    inp = _inputs(5, T=3, H=1, HV=2, K=8, V=8, gate="softplus", seqlens=[0, 3, 0], initial_state="kv")
+    got = run_kda(fused_recurrent_kda, inp, seed=SEED)
+    h0 = inp["tensors"]["initial_state"]
+    assert torch.equal(got["final_state"][0], h0[0].detach())
+    assert torch.equal(got["final_state"][2], h0[2].detach())
+    # dh0 of an empty sequence is its dht: the same generator draw run_kda used
+    gen = torch.Generator().manual_seed(SEED)
+    torch.randn(got["o"].shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn(got["final_state"].shape, generator=gen, dtype=torch.float64).float()
+    assert torch.equal(got["dinitial_state"][0], dht[0])
+    assert torch.equal(got["dinitial_state"][2], dht[2])
+
+
+def test_torch_backend_is_the_naive_recurrence(monkeypatch):
+    monkeypatch.setenv("KDAKIT_BACKEND", "torch")
+    inp = _inputs(6, B=1, T=5, H=1, HV=2, K=8, V=8, gate="softplus", initial_state="kv", dtype=torch.float64)
+    got = run_kda(fused_recurrent_kda, inp, seed=SEED)
+    ref = run_kda(naive_recurrent_kda, inp, seed=SEED)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+
+
+# --- recurrent_kda_backward: direct calls, out=, workspace, determinism -----------------------
+
+def _direct_args(inp, seed=SEED):
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    kw = dict(inp["kwargs"])
+    kw.pop("output_final_state", None)
+    o, ht = fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t.get("A_log"),
+                                dt_bias=t.get("dt_bias"), initial_state=t.get("initial_state"),
+                                output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, generator=gen)
+    pos = (t["q"], t["k"], t["v"], t["g"], t["beta"], do, dht)
+    named = dict(A_log=t.get("A_log"), dt_bias=t.get("dt_bias"), initial_state=t.get("initial_state"), **kw)
+    return pos, named
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_recurrent_kda_backward_matches_autograd(monkeypatch, backend):
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    inp = _inputs(8, T=7, H=1, HV=2, K=8, V=8, gate="safe", seqlens=[3, 4], initial_state="vk")
+    pos, named = _direct_args(inp)
+    grads = recurrent_kda_backward(*pos, **named)
+    assert isinstance(grads, KDAGrads) and len(grads) == 8
+    t64 = {n: x.detach().double().requires_grad_() for n, x in inp["tensors"].items()}
+    opts = {n: x for n, x in named.items() if n not in ("A_log", "dt_bias", "initial_state")}
+    o, ht = naive_recurrent_kda(t64["q"], t64["k"], t64["v"], t64["g"], t64["beta"], A_log=t64["A_log"],
+                                dt_bias=t64["dt_bias"], initial_state=t64["initial_state"],
+                                output_final_state=True, **opts)
+    names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"]
+    want = torch.autograd.grad([o, ht], [t64[n] for n in names], [pos[5].double(), pos[6].double()])
+    for gname, w, gr in zip(GRAD_NAMES, want, grads):
+        assert gr.dtype == inp["tensors"][names[GRAD_NAMES.index(gname)]].dtype
+        assert_close(gname, w, gr, FP32_RATIO)
+
+
+def test_backward_out_workspace_and_determinism(triton_backend):
+    inp = _inputs(9, B=2, T=5, H=2, HV=4, K=8, V=16, gate="softplus", initial_state="kv")
+    pos, named = _direct_args(inp)
+    like = [pos[0], pos[1], pos[2], pos[3], pos[4], named["A_log"], named["dt_bias"], named["initial_state"]]
+    out = [torch.full_like(x, float("nan")) for x in like]
+    ws = Workspace("cpu")
+    first = recurrent_kda_backward(*pos, **named, workspace=ws, out=out)
+    for o_, g_ in zip(out, first):
+        assert g_ is o_ and torch.isfinite(g_).all()
+    snapshot = [g_.clone() for g_ in first]
+    held = {n: b.data_ptr() for n, b in ws._buffers.items()}
+    nbytes = ws.nbytes
+    assert nbytes > 0
+    again = recurrent_kda_backward(*pos, **named, workspace=ws, out=out)
+    assert ws.nbytes == nbytes and {n: b.data_ptr() for n, b in ws._buffers.items()} == held
+    for a, b in zip(snapshot, again):
+        assert torch.equal(a, b)
+    fresh = recurrent_kda_backward(*pos, **named)  # stream-local scratch
+    for a, b in zip(snapshot, fresh):
+        assert torch.equal(a, b)
+
+
+def test_backward_unused_gate_parameters_get_zero_gradients(triton_backend):
+    inp = _inputs(10, B=1, T=4, H=1, HV=2, K=8, V=8, gate="none")
+    pos, named = _direct_args(inp)
+    A_log, dt_bias = torch.randn(2), torch.randn(16)
+    grads = recurrent_kda_backward(*pos, **dict(named, A_log=A_log, dt_bias=dt_bias))
+    assert torch.equal(grads.dA_log, torch.zeros(2)) and torch.equal(grads.ddt_bias, torch.zeros(16))
+    assert grads.dh0 is None
+
+
+def test_forward_out_and_final_state_out(triton_backend):
+    inp = _inputs(11, B=2, T=3, H=1, HV=2, K=8, V=8, gate="softplus", initial_state="kv")
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    kw = dict(inp["kwargs"])
+    o_buf = torch.full_like(t["v"], float("nan"))
+    ht_buf = torch.full((2, 2, 8, 8), float("nan"))
+    o, ht = fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                                initial_state=t["initial_state"], out=o_buf, final_state_out=ht_buf, **kw)
+    assert o is o_buf and ht is ht_buf
+    ref_o, ref_ht = naive_recurrent_kda(*(t[n].double() for n in ("q", "k", "v", "g", "beta")),
+                                        A_log=t["A_log"].double(), dt_bias=t["dt_bias"].double(),
+                                        initial_state=t["initial_state"].double(), **kw)
+    assert_close("o", ref_o, o, FP32_RATIO)
+    assert_close("ht", ref_ht, ht, FP32_RATIO)
+
+
+# --- validation -------------------------------------------------------------------------------
+
+def _small(seed=12):
+    inp = _inputs(seed, B=1, T=4, H=1, HV=2, K=8, V=8, gate="softplus", initial_state="kv")
+    return {n: x.detach() for n, x in inp["tensors"].items()}, dict(inp["kwargs"])
+
+
+def _fwd(t, kw, **extra):
+    return fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                               initial_state=t["initial_state"], **dict(kw, **extra))
+
+
+@pytest.mark.parametrize("extra, exc, pattern", [
+    (dict(ssm_state_indices=torch.zeros(1, dtype=torch.int32)), TypeError, "kda_decode"),
+    (dict(num_accepted_tokens=torch.ones(1, dtype=torch.int32)), TypeError, "kda_decode"),
+    (dict(chunk_size=64), TypeError, "unexpected keyword"),
+    (dict(out=torch.empty(1, 4, 2, 4)), ValueError, r"^out must have shape \[1, 4, 2, 8\]"),
+    (dict(out=torch.empty(1, 4, 2, 8, dtype=torch.float64)), TypeError, "^out must have dtype"),
+    (dict(final_state_out=torch.empty(1, 2, 8, 8), output_final_state=False), ValueError, "output_final_state"),
+    (dict(final_state_out=torch.empty(1, 2, 8, 4)), ValueError, "^final_state_out must have shape"),
+    (dict(workspace="cpu"), TypeError, "^workspace must be a kdakit Workspace"),
+    (dict(lower_bound=-7.0, safe_gate=True), ValueError, "lower_bound must be in the safe range"),
+], ids=["ssm_state_indices", "num_accepted_tokens", "unknown", "out-shape", "out-dtype", "final-without-flag",
+        "final-shape", "workspace-type", "safe-range"])
+def test_forward_rejects_bad_arguments(triton_backend, extra, exc, pattern):
+    t, kw = _small()
+    with pytest.raises(exc, match=pattern):
+        _fwd(t, kw, **extra)
+
+
+def test_forward_rejects_non_contiguous_and_wide_heads(triton_backend):
+    t, kw = _small()
+    t["q"] = torch.cat([t["q"], t["q"]], dim=-1)[..., :8]  # right shape, strided
+    with pytest.raises(ValueError, match="^q must be contiguous"):
+        _fwd(t, kw)
+    t, kw = _small()
+    for n in ("q", "k"):
+        t[n] = torch.randn(1, 4, 1, 300)
+    t["g"] = torch.randn(1, 4, 2, 300)
+    t["dt_bias"] = torch.randn(600)
+    t["initial_state"] = torch.randn(1, 2, 300, 8)
+    with pytest.raises(ValueError, match="K <= 256, got K=300"):
+        _fwd(t, kw)
+
+
+@pytest.mark.parametrize("mutate, exc, pattern", [
+    (lambda p, n: (p[:5] + (p[5][:, :2],) + p[6:], n), ValueError, r"^do must have o's shape"),
+    (lambda p, n: (p[:6] + (p[6][..., :4],), n), ValueError, r"^dht must have the final state's shape"),
+    (lambda p, n: (p, dict(n, out=[None] * 7)), ValueError, "^out must be a sequence of 8"),
+    (lambda p, n: (p, dict(n, out=[None] * 5 + [torch.empty(3)] + [None] * 2)), ValueError, r"dA_log\) must have shape"),
+], ids=["do-shape", "dht-shape", "out-length", "out-entry"])
+def test_backward_rejects_bad_arguments(triton_backend, mutate, exc, pattern):
+    inp = _inputs(13, B=1, T=3, H=1, HV=2, K=8, V=8, gate="softplus", initial_state="kv")
+    pos, named = _direct_args(inp)
+    pos, named = mutate(pos, named)
+    with pytest.raises(exc, match=pattern):
+        recurrent_kda_backward(*pos, **named)
