@@ -21,7 +21,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -97,7 +96,8 @@ def main(argv=None) -> int:
 
     from kdakit.memory.measure import MeasureOptions, markdown_table, run_measure
 
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # The device copy of the tree has no .git: run_gpu.sh's caller passes the commit in KDAKIT_GIT_SHA.
+    sha = os.environ.get("KDAKIT_GIT_SHA") or "unknown"
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "git_sha": sha,

@@ -32,12 +32,11 @@ FLA_SHAPES=${FLA_SHAPES:-$SHAPES}
 rc=0
 
 if has env; then
-    python3 - <<'PY' | tee "$OUT/env.json"
-import datetime, json, subprocess, torch, triton
-sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+    KDAKIT_GIT_SHA=${KDAKIT_GIT_SHA:-} python3 - <<'PY' | tee "$OUT/env.json"
+import datetime, json, os, torch, triton
+# The device copy of the tree has no .git: the caller passes the commit in KDAKIT_GIT_SHA.
 print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                  "cuda": torch.version.cuda, "git_sha": sha, "git_dirty": bool(dirty),
+                  "cuda": torch.version.cuda, "git_sha": os.environ.get("KDAKIT_GIT_SHA") or "unknown",
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}))
 PY
 fi

@@ -1,7 +1,18 @@
 """kdakit: Kimi Delta Attention kernels and memory tools with FLA's API."""
 
-from kdakit.ops.kda import chunk_kda, naive_recurrent_kda
+from kdakit.ops.kda import (
+    KDAGrads,
+    KDAPlan,
+    Workspace,
+    chunk_kda,
+    fused_recurrent_kda,
+    kda_decode,
+    naive_recurrent_kda,
+    plan_kda,
+    recurrent_kda_backward,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["chunk_kda", "naive_recurrent_kda", "__version__"]
+__all__ = ["chunk_kda", "fused_recurrent_kda", "recurrent_kda_backward", "KDAGrads", "kda_decode", "Workspace",
+           "naive_recurrent_kda", "plan_kda", "KDAPlan", "__version__"]

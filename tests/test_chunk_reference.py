@@ -158,3 +158,31 @@ def test_state_pool_prefill_updates_rows_in_place():
     assert_close("pool[1]", ht_ref[1], pool[1], EXACT)
     for r in (0, 2, 4):
         assert torch.equal(pool[r], before[r])
+
+
+def test_state_pool_prefill_then_decode_share_one_cache():
+    from kdakit import kda_decode
+
+    inp = make_kda_inputs(T=24, H=1, HV=2, K=8, V=8, gate="safe", seqlens=[10, 14], dtype=torch.float32)
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    kw = dict(inp["kwargs"], state_v_first=True)
+    kw.pop("output_final_state", None)
+    pool = torch.randn(4, 2, 8, 8)  # decode pools are fp32 or bf16
+    idx = torch.tensor([2, -1], dtype=torch.int32)
+    before = pool.clone()
+    o, _ = chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                     initial_state=pool, state_indices=idx, **kw)
+    assert torch.equal(o[0, 10:], torch.zeros_like(o[0, 10:]))  # padded sequence: zero output
+    assert torch.equal(pool[[0, 1, 3]], before[[0, 1, 3]])        # and its rows untouched
+    # One decode token continues sequence 0 from the pool row prefill wrote.
+    step = make_kda_inputs(B=1, T=1, H=1, HV=2, K=8, V=8, gate="safe", dtype=torch.float32)
+    s = {n: x.detach() for n, x in step["tensors"].items()}
+    s["A_log"], s["dt_bias"] = t["A_log"], t["dt_bias"]
+    o_dec = kda_decode(s["q"], s["k"], s["v"], s["g"], s["beta"], pool, idx[:1], A_log=s["A_log"],
+                       dt_bias=s["dt_bias"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                       use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, safe_gate=True)
+    cat = {n: torch.cat([t[n][:, :10], s[n]], dim=1).double() for n in ("q", "k", "v", "g", "beta")}
+    kw.pop("cu_seqlens")
+    o_ref, _ = naive_recurrent_kda(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"], A_log=t["A_log"].double(),
+                                   dt_bias=t["dt_bias"].double(), initial_state=before[[2]].double(), **kw)
+    assert_close("decode after prefill", o_ref[:, 10:], o_dec, 1e-5)

@@ -1,6 +1,13 @@
-"""KDA operators: the naive definition, the chunked op and (on CUDA) its Triton kernels."""
+"""KDA operators: the naive definition, the chunked op (Triton on CUDA), the recurrent op,
+the serving decode step and the execution plan."""
 
 from kdakit.ops.kda.chunk import chunk_kda
+from kdakit.ops.kda.decode import kda_decode
+from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
 from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.plan import KDAPlan, plan_kda
+from kdakit.ops.kda.recurrent_backward import KDAGrads, recurrent_kda_backward
+from kdakit.ops.kda.workspace import Workspace
 
-__all__ = ["chunk_kda", "naive_recurrent_kda"]
+__all__ = ["chunk_kda", "fused_recurrent_kda", "recurrent_kda_backward", "KDAGrads", "kda_decode", "Workspace",
+           "naive_recurrent_kda", "plan_kda", "KDAPlan"]

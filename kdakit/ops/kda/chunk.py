@@ -85,10 +85,11 @@ def chunk_kda(
         checkpoint_every_n_tokens: cadence of the state checkpoints saved for backward;
             None lets the plan choose (see ``kdakit.plan_kda``).
         state_indices: int32 ``[N]`` rows of a state pool. With it, ``initial_state`` is the
-            pool ``[P, HV, ...]`` shared with ``kdakit.kda_decode``; row ``state_indices[n]``
-            is sequence n's initial state and receives its final state in place; ``-1`` marks
-            a padded sequence (zero initial state, pool untouched). The pool itself is not
-            differentiated.
+            pool ``[P, HV, ...]``; row ``state_indices[n]`` is sequence n's initial state and
+            receives its final state in place; ``-1`` marks a padded sequence (zero output,
+            pool untouched), as in ``kdakit.kda_decode``. Prefill and decode share one pool
+            when ``state_v_first=True`` (decode's ``[P, HV, V, K]`` layout). The pool itself
+            is not differentiated.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (float64
@@ -137,7 +138,19 @@ def chunk_kda(
         o, final = chunked_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
     if pool is not None:
         _scatter_pool(pool, final, state_indices)
+        o = _zero_padded_sequences(o, state_indices, cu_seqlens)
     return o, (final if output_final_state else None)
+
+
+def _zero_padded_sequences(o, state_indices, cu_seqlens):
+    """Padded sequences (index -1) give zero output, as in ``kda_decode``."""
+    keep = (state_indices >= 0).to(o.dtype)                                  # [N]
+    if bool(keep.all()):
+        return o
+    if cu_seqlens is None:
+        return o * keep.view(-1, 1, 1, 1)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return o * torch.repeat_interleave(keep, lengths).view(1, -1, 1, 1)
 
 
 def _gather_pool(pool, state_indices, q, v, state_v_first):
