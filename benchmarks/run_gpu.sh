@@ -10,6 +10,9 @@
 # Each stage has a wall-clock limit (STAGE_LIMIT_<stage>, seconds) so the whole call fits the
 # device's 10-minute command limit and every stage's file is written even if a later one is cut.
 # FLA 0.6.0 travels as a wheel in .whl/ (pure Python; einops is on the machine).
+# Triton autotuning (FLA's takes minutes per head count) is cached on disk, and the tuned
+# configs are packed into $OUT/triton_autotune.tgz; put that file at .tcache/triton_autotune.tgz
+# (and carry .tcache) so the next machine skips the tuning.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -26,6 +29,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 # Autotune results are cached on disk so each fresh measurement process reuses them.
 export TRITON_CACHE_AUTOTUNING=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kdakit_triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .tcache/triton_autotune.tgz ] && tar xzf .tcache/triton_autotune.tgz -C "$TRITON_CACHE_DIR"
 export FLA_DISABLE_BACKEND_DISPATCH=1
 SHAPES=${SHAPES:-1x8192:96,8x8192:16,1x8192:128,1x131072:96}
 FLA_SHAPES=${FLA_SHAPES:-$SHAPES}
@@ -43,13 +49,13 @@ fi
 
 if has chunk; then
     timeout "${STAGE_LIMIT_chunk:-240}" python3 benchmarks/bench_chunk.py --backends kdakit --shapes "$SHAPES" \
-        --cell-timeout 120 --out "$OUT/chunk_kdakit.json" 2>&1 | tee "$OUT/chunk_kdakit.log"
+        --cell-timeout 120 --out "$OUT/chunk_kdakit.json" 2>&1 | tee -a "$OUT/run.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 
 if has recurrent; then
     timeout "${STAGE_LIMIT_recurrent:-100}" python3 benchmarks/bench_recurrent.py --out "$OUT/recurrent_bench.json" \
-        2>&1 | tee "$OUT/recurrent_bench.log"
+        2>&1 | tee -a "$OUT/run.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 
@@ -61,7 +67,8 @@ fi
 
 if has fla; then
     timeout "${STAGE_LIMIT_fla:-240}" python3 benchmarks/bench_chunk.py --backends fla --skip-gate --shapes "$FLA_SHAPES" \
-        --cell-timeout "${STAGE_LIMIT_fla:-240}" --out "$OUT/chunk_fla.json" 2>&1 | tee "$OUT/chunk_fla.log"
+        --cell-timeout "${STAGE_LIMIT_fla:-240}" --out "$OUT/chunk_fla.json" 2>&1 | tee -a "$OUT/run.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
+(cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" | tar czf "$OUT/triton_autotune.tgz" -T -)
 exit $rc
