@@ -1,0 +1,310 @@
+"""KimiDeltaAttention (kdakit.nn): the layer against an explicit composition of its stages, packed
+sequences against separate ones, prefill + decode steps against one forward, and input errors."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kdakit.nn import KimiDeltaAttention
+from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.testing import assert_close
+
+HIDDEN, HEAD_DIM = 12, 8
+
+CONFIGS = {
+    "mha": dict(num_heads=2),
+    "gva_safe_gate": dict(num_heads=1, num_v_heads=2, safe_gate=True, lower_bound=-5.0),
+    "no_conv": dict(num_heads=2, use_short_conv=False),
+    "gva_neg_eig_bias_conv3": dict(num_heads=2, num_v_heads=4, allow_neg_eigval=True, conv_bias=True, conv_size=3),
+}
+
+
+def make_layer(seed, dtype=torch.float64, **cfg):
+    """A layer whose every parameter is random (no zero or one initial values left to hide a bug)."""
+    torch.manual_seed(seed)
+    layer = KimiDeltaAttention(HIDDEN, head_dim=HEAD_DIM, **cfg).to(dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    return layer
+
+
+def rand(*shape, seed, scale=1.0):
+    return scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def spans(T, B, cu_seqlens):
+    if cu_seqlens is None:
+        return [(b, 0, T) for b in range(B)]
+    cu = cu_seqlens.tolist()
+    return [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+
+
+def explicit_layer(layer, x, cu_seqlens=None, initial_state=None, conv_context=None):
+    """The layer written out stage by stage: F.conv1d per sequence on a zero- or context-padded
+    window, SiLU, the token-by-token KDA definition, gated RMSNorm, output projection."""
+    B, T, _ = x.shape
+    H, HV, K = layer.num_heads, layer.num_v_heads, layer.head_dim
+    W = layer.conv_size
+    parts = []
+    for c, (proj, conv) in enumerate(((layer.q_proj, "q_conv1d"), (layer.k_proj, "k_conv1d"),
+                                      (layer.v_proj, "v_conv1d"))):
+        y = proj(x)                                                         # [B, T, C]
+        if layer.use_short_conv:
+            mod = getattr(layer, conv)
+            C = y.shape[-1]
+            out = torch.zeros_like(y)
+            for i, (b, bos, eos) in enumerate(spans(T, B, cu_seqlens)):
+                if eos == bos:
+                    continue
+                seq = y[b, bos:eos].T                                       # [C, L]
+                if conv_context is None:
+                    left = seq.new_zeros(C, W - 1)
+                else:
+                    lo = [0, layer.key_dim, 2 * layer.key_dim][c]
+                    left = conv_context[i, lo:lo + C].to(seq.dtype)
+                z = F.conv1d(torch.cat([left, seq], 1)[None], mod.weight, mod.bias, groups=C)[0]
+                out[b, bos:eos] = z.T
+            y = out
+        parts.append(F.silu(y))
+    q = parts[0].view(B, T, H, K)
+    k = parts[1].view(B, T, H, K)
+    v = parts[2].view(B, T, HV, K)
+    g = layer.f_proj(x).view(B, T, HV, K)
+    beta = layer.b_proj(x)
+    o, final = naive_recurrent_kda(
+        q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        allow_neg_eigval=layer.allow_neg_eigval, lower_bound=layer.lower_bound,
+        A_log=layer.A_log, dt_bias=layer.dt_bias, cu_seqlens=cu_seqlens,
+    )
+    gate = layer.g_proj(x).view(B, T, HV, K)
+    eps = layer.o_norm.eps
+    normed = o / torch.sqrt((o * o).mean(-1, keepdim=True) + eps) * layer.o_norm.weight * torch.sigmoid(gate)
+    return layer.o_proj(normed.reshape(B, T, HV * K)), final
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_forward_and_grads_match_explicit_composition(name):
+    cfg = CONFIGS[name]
+    layer = make_layer(11, **cfg)
+    HV = layer.num_v_heads
+    cu = torch.tensor([0, 3, 3, 9, 10], dtype=torch.long)     # includes an empty and a 1-token sequence
+    x = rand(1, 10, HIDDEN, seed=3).requires_grad_()
+    h0 = rand(4, HV, HEAD_DIM, HEAD_DIM, seed=4, scale=0.5).requires_grad_()
+    dout = rand(1, 10, HIDDEN, seed=5)
+
+    out, final = layer(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    ref, ref_final = explicit_layer(layer, x, cu, h0)
+    assert out.shape == (1, 10, HIDDEN) and out.dtype == torch.float64
+    assert_close(f"{name} out", ref, out, 1e-9)
+    assert_close(f"{name} final state", ref_final, final, 1e-9)
+
+    params = dict(layer.named_parameters())
+    leaves = [x, h0, *params.values()]
+    got = torch.autograd.grad((out * dout).sum() + final.sum(), leaves)
+    want = torch.autograd.grad((ref * dout).sum() + ref_final.sum(), leaves)
+    for pname, gw, gg in zip(["hidden_states", "initial_state", *params], want, got):
+        assert torch.isfinite(gg).all(), pname
+        assert float(gg.abs().max()) > 0, f"{pname}: zero gradient"
+        assert_close(f"{name} d{pname}", gw, gg, 1e-8)
+
+
+def test_gradients_reach_every_parameter_float32_batched():
+    layer = make_layer(21, dtype=torch.float32, num_heads=2, num_v_heads=4)
+    x = rand(2, 7, HIDDEN, seed=22).float()
+    out, _ = layer(x)
+    (out * rand(2, 7, HIDDEN, seed=23).float()).sum().backward()
+    names = {n for n, _ in layer.named_parameters()}
+    assert {"A_log", "dt_bias", "q_conv1d.weight", "f_proj.1.weight", "g_proj.1.bias", "o_norm.weight"} <= names
+    for n, p in layer.named_parameters():
+        assert p.grad is not None, n
+        assert torch.isfinite(p.grad).all(), n
+        assert float(p.grad.abs().max()) > 0, f"{n}: zero gradient"
+    ref, _ = explicit_layer(layer, x)
+    assert_close("float32 batched out", ref, out, 1e-5)
+
+
+@pytest.mark.parametrize("name", ["mha", "gva_neg_eig_bias_conv3"])
+def test_packed_sequences_equal_separate_runs(name):
+    """Neither the convolution, its conv-state update nor the recurrent state crosses a boundary."""
+    layer = make_layer(31, **CONFIGS[name])
+    lengths = [5, 0, 2, 7, 1]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.long)
+    T, N, HV = sum(lengths), len(lengths), layer.num_v_heads
+    x = rand(1, T, HIDDEN, seed=32)
+    h0 = rand(N, HV, HEAD_DIM, HEAD_DIM, seed=33, scale=0.5)
+    ctx = rand(N, layer.conv_channels, layer.conv_size - 1, seed=34)
+    conv_packed = ctx.clone()
+    out, final = layer(x, cu_seqlens=cu, initial_state=h0, output_final_state=True, conv_state=conv_packed)
+    for n in range(N):
+        bos, eos = int(cu[n]), int(cu[n + 1])
+        conv_n = ctx[n:n + 1].clone()
+        o_n, f_n = layer(x[:, bos:eos], initial_state=h0[n:n + 1], output_final_state=True, conv_state=conv_n)
+        if eos > bos:
+            assert_close(f"seq {n} out", o_n, out[:, bos:eos], 1e-12)
+        assert_close(f"seq {n} final state", f_n, final[n:n + 1], 1e-12)
+        # same values; the projections of a slice may differ from the packed ones in the last bit
+        assert_close(f"seq {n} conv state", conv_n, conv_packed[n:n + 1], 1e-14)
+    # the conv state holds the last W-1 projected inputs: the old context shifted by the length
+    W1 = layer.conv_size - 1
+    proj = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1)[0].detach()
+    for n in range(N):
+        bos, eos = int(cu[n]), int(cu[n + 1])
+        window = torch.cat([ctx[n], proj[bos:eos].T], 1)[:, -W1:]
+        assert torch.equal(window, conv_packed[n]), f"seq {n} conv window"
+    ref, _ = explicit_layer(layer, x, cu, h0, conv_context=ctx)
+    assert_close("packed with conv context vs explicit", ref, out, 1e-9)
+
+
+@pytest.mark.parametrize("name", ["mha", "gva_safe_gate", "no_conv"])
+def test_prefill_then_decode_steps_equal_one_forward(name):
+    layer = make_layer(41, **CONFIGS[name])
+    HV = layer.num_v_heads
+    prefill, steps = [5, 2], 3
+    total = [n + steps for n in prefill]
+    x_seqs = [rand(1, n, HIDDEN, seed=42 + i) for i, n in enumerate(total)]
+
+    pool = rand(4, HV, HEAD_DIM, HEAD_DIM, seed=50).float()          # value-first [P, HV, V, K], stale rows
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    untouched = pool[[1, 3]].clone()
+    conv = (torch.zeros(2, layer.conv_channels, layer.conv_size - 1, dtype=torch.float64)
+            if layer.use_short_conv else None)
+    cu = torch.tensor([0, prefill[0], sum(prefill)], dtype=torch.long)
+    x_pre = torch.cat([xs[:, :n] for xs, n in zip(x_seqs, prefill)], 1)
+    h0 = torch.zeros(2, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32)
+    pool[idx.long()] = h0                                              # fresh sequences start from zero
+    with torch.no_grad():
+        out_pre, _ = layer(x_pre, cu_seqlens=cu, initial_state=pool, state_indices=idx, state_v_first=True,
+                           conv_state=conv)
+    step_outs = []
+    for t in range(steps):
+        x_t = torch.cat([xs[:, n + t:n + t + 1] for xs, n in zip(x_seqs, prefill)], 0)   # [N, 1, hidden]
+        step_outs.append(layer.step(x_t, conv, pool, idx))
+    assert torch.equal(pool[[1, 3]], untouched)
+
+    with torch.no_grad():
+        for i, xs in enumerate(x_seqs):
+            full, final = layer(xs, output_final_state=True, state_v_first=True)
+            got = torch.cat([out_pre[:, cu[i]:cu[i + 1]], *[o[i:i + 1] for o in step_outs]], 1)
+            # the pool is fp32, so the decode path rounds the state once per call
+            assert_close(f"{name} seq {i} prefill+steps", full, got, 1e-5)
+            assert_close(f"{name} seq {i} pool row", final[0], pool[int(idx[i])], 1e-5)
+
+
+def test_step_multi_token_padding_and_conv_state():
+    layer = make_layer(61, num_heads=2, num_v_heads=4)
+    N, HV, W1 = 3, layer.num_v_heads, layer.conv_size - 1
+    pool = rand(5, HV, HEAD_DIM, HEAD_DIM, seed=62, scale=0.3).float()
+    conv = rand(N, layer.conv_channels, W1, seed=63)
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    x = rand(N, 2, HIDDEN, seed=64)
+
+    pool_a, conv_a = pool.clone(), conv.clone()
+    out_a = layer.step(x, conv_a, pool_a, idx)
+    pool_b, conv_b = pool.clone(), conv.clone()
+    out_b = torch.cat([layer.step(x[:, t:t + 1], conv_b, pool_b, idx) for t in range(2)], 1)
+    # the fp32 pool is rounded once per call, so the two differ by fp32 round-off only
+    assert_close("2-token step vs two 1-token steps", out_b, out_a, 1e-6)
+    assert_close("2-token step vs two 1-token steps: pool", pool_b, pool_a, 1e-6)
+    assert_close("2-token step vs two 1-token steps: conv state", conv_b, conv_a, 1e-14)
+    # a padded sequence: zero output, its conv row and every unused pool row untouched
+    assert torch.equal(out_a[1], torch.zeros_like(out_a[1]))
+    assert torch.equal(conv_a[1], conv[1])
+    assert torch.equal(pool_a[[0, 2, 3]], pool[[0, 2, 3]])
+    # live sequences: the conv row shifted in the step's projected inputs, the output matches a forward
+    proj = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1).detach()
+    for n in (0, 2):
+        assert torch.equal(conv_a[n], torch.cat([conv[n], proj[n].T], 1)[:, -W1:])
+        ref, _ = explicit_layer(layer, x[n:n + 1], initial_state=pool[int(idx[n])][None].double().transpose(-1, -2),
+                                conv_context=conv[n:n + 1])
+        assert_close(f"step seq {n} vs explicit", ref, out_a[n:n + 1], 1e-5)
+
+
+def test_chunked_prefill_continues_from_conv_and_recurrent_state():
+    layer = make_layer(71, num_heads=2)
+    x = rand(2, 9, HIDDEN, seed=72)
+    with torch.no_grad():
+        full, full_final = layer(x, output_final_state=True)
+        conv = torch.zeros(2, layer.conv_channels, layer.conv_size - 1, dtype=torch.float64)
+        a, s = layer(x[:, :4], output_final_state=True, conv_state=conv)
+        b, s = layer(x[:, 4:], initial_state=s, output_final_state=True, conv_state=conv)
+    assert_close("chunked prefill out", full, torch.cat([a, b], 1), 1e-12)
+    assert_close("chunked prefill state", full_final, s, 1e-12)
+
+
+def test_initialization():
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(64, num_heads=4, head_dim=16, num_v_heads=8)
+    assert layer.A_log.dtype == torch.float32 and layer.dt_bias.dtype == torch.float32
+    assert layer.A_log.shape == (8,) and layer.dt_bias.shape == (8 * 16,)
+    A_log = layer.A_log.detach()
+    assert float(A_log.min()) >= 0.0 and float(A_log.max()) <= math.log(16.0)
+    assert float(A_log.std()) > 0
+    assert torch.equal(layer.dt_bias, torch.zeros_like(layer.dt_bias))
+    assert layer.A_log._no_weight_decay and layer.dt_bias._no_weight_decay
+    assert layer.conv_channels == 2 * 4 * 16 + 8 * 16
+    out, final = layer(torch.randn(1, 5, 64))
+    assert out.shape == (1, 5, 64) and final is None and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(num_heads=3, num_v_heads=4), ValueError, "num_v_heads"),
+    (dict(num_heads=0), ValueError, "num_heads"),
+    (dict(num_heads=2, conv_size=2.0), TypeError, "conv_size"),
+    (dict(num_heads=2, safe_gate=True), ValueError, "lower_bound"),
+    (dict(num_heads=2, safe_gate=True, lower_bound=-6.0), ValueError, "lower_bound"),
+    (dict(num_heads=2, lower_bound=0.5), ValueError, "lower_bound"),
+    (dict(num_heads=2, norm_eps=0.0), ValueError, "norm_eps"),
+])
+def test_bad_constructor_arguments_raise(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        KimiDeltaAttention(HIDDEN, head_dim=HEAD_DIM, **kwargs)
+
+
+def test_bad_call_arguments_raise():
+    layer = make_layer(81, num_heads=2)
+    x = rand(1, 6, HIDDEN, seed=82)
+    conv_ok = torch.zeros(1, layer.conv_channels, layer.conv_size - 1, dtype=torch.float64)
+    cases = [
+        (lambda: layer(x.numpy()), TypeError, "hidden_states"),
+        (lambda: layer(x[0]), ValueError, "hidden_states"),
+        (lambda: layer(rand(1, 6, HIDDEN + 1, seed=1)), ValueError, "hidden_size"),
+        (lambda: layer(x.float()), TypeError, "hidden_states"),
+        (lambda: layer(x.long()), TypeError, "hidden_states"),
+        (lambda: layer(x, cu_seqlens=[0, 6]), TypeError, "cu_seqlens"),
+        (lambda: layer(x, cu_seqlens=torch.tensor([0.0, 6.0])), TypeError, "cu_seqlens"),
+        (lambda: layer(x, cu_seqlens=torch.tensor([0, 5])), ValueError, "cu_seqlens"),
+        (lambda: layer(x, cu_seqlens=torch.tensor([0, 4, 2, 6])), ValueError, "cu_seqlens"),
+        (lambda: layer(rand(2, 3, HIDDEN, seed=1), cu_seqlens=torch.tensor([0, 3])), ValueError, "batch size 1"),
+        (lambda: layer(x, conv_state=conv_ok[:, :, :2]), ValueError, "conv_state"),
+        (lambda: layer(x, conv_state=conv_ok.long()), TypeError, "conv_state"),
+        (lambda: layer(x, initial_state=torch.zeros(1, 2, 3, 3), conv_state=conv_ok), ValueError, "initial_state"),
+        (lambda: layer(x, output_final_state=1), TypeError, "output_final_state"),
+        (lambda: layer(x, initial_state=torch.zeros(2, 2, 8, 8), state_indices=torch.tensor([0.0])), TypeError,
+         "state_indices"),
+    ]
+    pool = torch.zeros(2, 2, HEAD_DIM, HEAD_DIM)
+    idx = torch.tensor([0], dtype=torch.int32)
+    step_x = x[:, :1]
+    cases += [
+        (lambda: layer.step(step_x, None, pool, idx), ValueError, "conv_state"),
+        (lambda: layer.step(step_x[:, :0], conv_ok, pool, idx), ValueError, "T=0"),
+        (lambda: layer.step(step_x, conv_ok, pool, torch.tensor([0, 1], dtype=torch.int32)), ValueError,
+         "state_indices"),
+        (lambda: layer.step(step_x, conv_ok, pool, [0]), TypeError, "state_indices"),
+        (lambda: layer.step(step_x, conv_ok, torch.zeros(2, 2, HEAD_DIM, HEAD_DIM + 1), idx), ValueError,
+         "state_pool"),
+    ]
+    conv_before = rand(1, layer.conv_channels, layer.conv_size - 1, seed=84)
+    conv_ok.copy_(conv_before)
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    assert torch.equal(conv_ok, conv_before), "a rejected call must leave conv_state untouched"
+    no_conv = make_layer(83, num_heads=2, use_short_conv=False)
+    with pytest.raises(ValueError, match="conv_state"):
+        no_conv(x, conv_state=conv_ok)
