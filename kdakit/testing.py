@@ -69,7 +69,7 @@ def make_kda_inputs(
     and dt_bias), ``safe`` (lower bound -5 with A_log and dt_bias), ``safe_no_alog``.
     seqlens: packed sequences (B must be 1, T their sum). initial_state: None, ``kv``, ``vk``
     (value-first) or ``kv_bf16``. reset_tokens: fraction of tokens whose log-decay is -1000
-    (only with gate ``none``). Returns a dict with ``tensors`` (name -> tensor, all leaves to
+    (only with gate ``none``; never the first token, so the initial state always matters). Returns a dict with ``tensors`` (name -> tensor, all leaves to
     differentiate) and ``kwargs`` (options for chunk_kda / naive_recurrent_kda).
     """
     HV = HV or H
@@ -91,6 +91,8 @@ def make_kda_inputs(
         a = -torch.nn.functional.softplus(r(B, T, HV, K)) * 0.5
         if reset_tokens:
             mask = torch.rand(B, T, HV, 1, generator=gen, dtype=torch.float64) < reset_tokens
+            # The first token never resets, so the initial state always reaches some output.
+            mask[:, 0] = False
             a = torch.where(mask, torch.full_like(a, -1000.0), a)
         t["g"] = a.to(dtype)
     else:

@@ -78,3 +78,18 @@ def test_float64_is_refused_on_the_triton_backend():
     inp = make_kda_inputs(T=8, H=1, K=4, V=4, dtype=torch.float64, gate="safe")
     with pytest.raises(TypeError, match=r"^q must be float16, bfloat16 or float32 for the Triton kernels"):
         run_kda(chunk_kda, inp)
+
+
+@pytest.mark.parametrize("algorithm", ["streaming", "windowed"])
+def test_both_backward_algorithms_through_the_public_op(monkeypatch, algorithm):
+    monkeypatch.setenv("KDAKIT_CHUNK_BACKWARD", algorithm)
+    inp = make_kda_inputs(T=70, H=1, HV=2, K=16, V=16, dtype=torch.float32, gate="safe", seqlens=[37, 0, 33],
+                          initial_state="vk")
+    _compare(inp, checkpoint_every_n_tokens=32)
+
+
+def test_unknown_backward_algorithm_is_an_error(monkeypatch):
+    monkeypatch.setenv("KDAKIT_CHUNK_BACKWARD", "fastest")
+    inp = make_kda_inputs(T=8, H=1, K=16, V=16, dtype=torch.float32, gate="safe")
+    with pytest.raises(ValueError, match=r"KDAKIT_CHUNK_BACKWARD\) must be one of"):
+        run_kda(chunk_kda, inp)

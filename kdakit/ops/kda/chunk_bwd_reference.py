@@ -149,6 +149,22 @@ def chunk_backward(q, k, v, a, b, S, dO, dSn, scale: float, exact: bool):
     return dq, dk, dv, da, db, dS
 
 
+def chunk_state_grad(q, k, a, b, dO, dSn, scale: float, exact: bool):
+    """dL/dS before a chunk from dL/dS after it, without the state (the windowed backward's recurrence)::
+
+        dV' = scale Aqk^T dO + kd dSn,   dS = gC dSn + scale (q Gamma)^T dO - W^T dV'
+
+    W, Aqk, kd and gC depend only on the chunk's q, k, a, b; each value column of dS depends only on
+    the same column of dO and dSn. Equals the ``dS`` of ``chunk_backward`` for any state.
+    """
+    C, K = q.shape
+    zero = torch.zeros(K, dO.shape[1], dtype=q.dtype, device=q.device)
+    _, _, s = chunk_forward(q, k, torch.zeros_like(dO), a, b, zero, scale, exact)
+    gC = torch.exp(s["GC"])
+    dVp = scale * s["Aqk"].T @ dO + s["kd"] @ dSn
+    return gC[:, None] * dSn + scale * (q * s["Gam"]).T @ dO - s["W"].T @ dVp
+
+
 # ---------------------------------------------------------------- token transforms --------------
 
 def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:

@@ -40,12 +40,14 @@ K-major); sequence n's checkpoint j is the state before its token ``j * L`` and 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 CHUNK_SIZE = 16
+BACKWARD_ALGORITHMS = ("streaming", "windowed")
 DEFAULT_CHECKPOINT_TOKENS = 2048
 DEFAULT_RECOMPUTE_TOKENS = 256
 H200_SMS = 132
@@ -123,6 +125,7 @@ class KDAPlan:
     # allocated, freed and allocated again, e.g. checkpoint_offsets); marks name phases.
     events: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     num_chunks: int = 0  # chunks of C tokens over all sequences (the forward intra kernel's grid)
+    backward_algorithm: str = "streaming"  # chunk_bwd's algorithm: 'streaming' or 'windowed'
 
     @property
     def workspace_bytes(self) -> int:
@@ -240,7 +243,8 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
              checkpoint_every_n_tokens: int | None = None, initial_state: bool = False,
              initial_state_dtype: torch.dtype = torch.float32, output_final_state: bool = False,
              gate_params: bool = True, backend: str = "triton", block_v: int | None = None,
-             num_sms: int = H200_SMS, backward_stage_dtype: torch.dtype = torch.float32) -> KDAPlan:
+             num_sms: int = H200_SMS, backward_stage_dtype: torch.dtype = torch.float32,
+             backward_algorithm: str | None = None) -> KDAPlan:
     """Plan a ``chunk_kda`` training call (forward + backward) from shapes alone.
 
     Shapes come from tensors ``q`` ``[B, T, H, K]`` and ``v`` ``[B, T, HV, V]`` (metadata only)
@@ -250,8 +254,15 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
     those state tensors exist; ``gate_params`` whether fp32 ``A_log [HV]`` and
     ``dt_bias [HV*K]`` are inputs (and get gradients). ``backend`` is 'triton' (exact model)
     or 'torch' (the PyTorch path: checkpoints and floor only, ``peak_model = 'lower bound'``).
-    ``backward_stage_dtype`` is the storage dtype of the backward's per-chunk state slots.
+    ``backward_stage_dtype`` is the storage dtype of the streaming backward's per-chunk state slots.
+    ``backward_algorithm``: 'streaming' (default, measured on the H200) or 'windowed' (parallel
+    stages, ``chunk_bwd_windowed.py``; not yet run on a GPU); None reads ``KDAKIT_CHUNK_BACKWARD``.
     """
+    if backward_algorithm is None:
+        backward_algorithm = os.environ.get("KDAKIT_CHUNK_BACKWARD", "").strip().lower() or "streaming"
+    if backward_algorithm not in BACKWARD_ALGORITHMS:
+        raise ValueError(f"backward_algorithm (or KDAKIT_CHUNK_BACKWARD) must be one of {BACKWARD_ALGORITHMS}, "
+                         f"got {backward_algorithm!r}")
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     if q is not None:
@@ -352,16 +363,24 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
     # Backward (chunk_bwd): gradients are allocated first, then the workspace; the kernel runs;
     # the workspace is freed before the GVA reductions and the parameter sums.
     gva = HV > H
-    if backend == "triton":
+    windowed = backend == "triton" and backward_algorithm == "windowed"
+    if windowed:
+        _plan_windowed_backward(add, free, events, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, L=L, L2=L2, dtype=dtype,
+                                initial_state=initial_state, initial_state_dtype=initial_state_dtype,
+                                gate_params=gate_params)
+    elif backend == "triton":
         if gva:
             add("bwd_dq_partials", (B, T, HV, K), f32, "stage buffers", "backward")
             add("bwd_dk_partials", (B, T, HV, K), f32, "stage buffers", "backward")
-    for name, shape in ((("dq", (B, T, H, K)), ("dk", (B, T, H, K))) if not gva or backend != "triton" else ()):
-        add(name, shape, dtype, "gradient outputs", "backward")
-    for name, shape in (("dv", (B, T, HV, V)), ("dg", (B, T, HV, K)), ("dbeta", (B, T, HV))):
-        add(name, shape, dtype, "gradient outputs", "backward")
+    if not windowed:
+        for name, shape in ((("dq", (B, T, H, K)), ("dk", (B, T, H, K))) if not gva or backend != "triton" else ()):
+            add(name, shape, dtype, "gradient outputs", "backward")
+        for name, shape in (("dv", (B, T, HV, V)), ("dg", (B, T, HV, K)), ("dbeta", (B, T, HV))):
+            add(name, shape, dtype, "gradient outputs", "backward")
     h0_cast = initial_state and initial_state_dtype != f32
-    if backend == "triton":
+    if windowed:
+        pass
+    elif backend == "triton":
         progs = N * HV
         if gate_params:
             add("bwd_dA_log_partials", (N, HV), f32, "workspace", "backward")
@@ -430,5 +449,42 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
         predicted_peak_bytes=peak if backend == "triton" else floor + saved, peak_at=peak_at,
         events=tuple(events),
         allocations=tuple(allocs), peak_model="exact" if backend == "triton" else "lower bound",
-        num_chunks=n_chunks,
+        num_chunks=n_chunks, backward_algorithm=backward_algorithm,
     )
+
+
+def _plan_windowed_backward(add, free, events, *, B, T, H, HV, K, V, N, L, L2, dtype, initial_state,
+                            initial_state_dtype, gate_params) -> None:
+    """The windowed backward's allocations in launcher order (``chunk_bwd_windowed.run_windowed``):
+    the five token gradients, the parameter partials, dh0 (which doubles as the state-gradient carry)
+    or a carry, the window-start / chunk-state / chunk-state-gradient slots; the slots and the carry
+    are freed before the parameter sums."""
+    from kdakit.ops.kda.chunk_bwd_windowed import backward_workspace_allocations
+
+    f32 = torch.float32
+    for name, shape in (("dq", (B, T, H, K)), ("dk", (B, T, H, K)), ("dv", (B, T, HV, V)),
+                        ("dg", (B, T, HV, K)), ("dbeta", (B, T, HV))):
+        add(name, shape, dtype, "gradient outputs", "backward")
+    ws = backward_workspace_allocations(N, HV, K, V, T, L, None, dtype, initial_state=initial_state,
+                                        gate_params=gate_params, recompute_every_n_tokens=L2)
+    partials = [w for w in ws if w[0].endswith("_partials")]
+    slots = [w for w in ws if not w[0].endswith("_partials")]
+    for name, shape, dt in partials:
+        add(name, shape, dt, "workspace", "backward")
+    h0_cast = initial_state and initial_state_dtype != f32
+    if initial_state:
+        add("d_initial_state_fp32" if h0_cast else "d_initial_state", (N, HV, K, V), f32,
+            "stage buffers" if h0_cast else "gradient outputs", "backward")
+    for name, shape, dt in slots:
+        add(name, shape, dt, "workspace", "backward")
+    events.append(("mark", "backward kernel"))
+    free(*(name for name, _, _ in slots))
+    if gate_params:
+        add("dA_log", (HV,), f32, "gradient outputs", "backward")
+        add("ddt_bias", (HV * K,), f32, "gradient outputs", "backward")
+    free("checkpoint_offsets")
+    free(*(name for name, _, _ in partials))
+    if h0_cast:
+        add("d_initial_state", (N, HV, K, V), initial_state_dtype, "gradient outputs", "backward")
+        events.append(("mark", "initial-state gradient cast"))
+        free("d_initial_state_fp32")

@@ -1,0 +1,584 @@
+"""Windowed, parallel backward of chunked KDA (``chunk_kda_bwd(..., algorithm="windowed")``).
+
+Two facts make most of the work parallel: the state-gradient recurrence
+  ``dS_prev = gC dS + scale (q Gam)^T dO - W^T (scale Aqk^T dO + kd dS)`` needs no state S (and its
+  value columns are independent, so it splits over V), and given S before a chunk and dS after it,
+  a chunk's token gradients depend on no other chunk. Windows of ``Lw = plan.recompute_every_n_tokens``
+  tokens (``L2 = gcd(256, L)``: the plan's recompute cadence keeps its meaning: states are recomputed
+  at that granularity) tile each checkpoint segment of L tokens. Every (sequence, value head) pair
+  runs in each launch; a sequence without the launch's segment or window skips it. Host loop over
+  global window indices, last first:
+    1. ``window_starts`` (once per segment, grid (N*HV, V/BVs)): walk from the segment's checkpoint,
+       store the states at the starts of windows 1.. of the segment (fp32 ``[N*HV, L/Lw - 1, K, V]``).
+    2. ``window_states`` (grid (N*HV, V/BVs, 2)): role 0 walks the window forward and stores every
+       chunk's start state S_c; role 1 walks it in reverse from the carried dS (``[N, HV, K, V]`` fp32;
+       dh0 itself when there is an initial state, initialised from dht) and stores every chunk's
+       dS_{c+1}; both into ``[N*HV, Lw/C, K, V]`` slots (bf16 for 16-bit inputs).
+    3. ``window_grads`` (grid (N*H, Lw/C)): one chunk of one q/k head per program, looping over its
+       GVA group: every gradient from S_c and dS_{c+1} (dq, dk summed over the group in registers, so
+       no GVA partial buffers); dA_log / ddt_bias partials accumulate into ``[N*HV, Lw/C(, K)]``
+       slots (one writer per slot and launch: deterministic) and are summed with torch at the end.
+  Workspace (``backward_workspace_allocations``): sized by windows, never by T. At 1x8K, H=HV=96,
+  K=V=128, bf16, L=2048, Lw=256: window starts 44.0 MB, S_c 50.3 MB, dS 50.3 MB, carry 6.3 MB,
+  parameter partials 0.8 MB = 151.8 MB (+ checkpoints 25.2 MB saved by the forward); the same
+  151.8 MB at 1x128K H96 (checkpoints 402.7 MB); 202.4 MB at 8x8K H16 and 1x8K H128 (+33.6 MB).
+  Time model (1x8K H96, L = 2048, Lw = 256: 4 segments, 32 windows, 68 launches; predicted, not
+  measured; docs/perf_notes.md): stage 1 walks 112 dependent chunk steps per segment (~2 us a step,
+  one wave of 192 programs): ~0.9 ms in all; stage 2 walks 16 steps per window (one wave of 192
+  programs at BV 128, ~3 us a step): ~50 us; stage 3 runs 1536 independent chunk programs per
+  window (2 per SM: ~6 waves of ~12 us): ~70 us. Total ~0.9 + 32 x 0.12 = ~4.7 ms (range 3 to 10),
+  against 61 ms measured for the streaming kernel. Floors: any backward moves >= 1.8 GB (reads q, k,
+  v, g, beta, dO; writes dq, dk, dv, dg, dbeta) -> 0.42 ms at 4.3 TB/s; this design moves ~10.4 GB
+  (S_c and dS slots written and read back once, 6.4 GB; inputs read three times) -> 2.4 ms; FLOPs
+  ~8 MFLOP per chunk and head (state step 1.4, dS step 1.9, gradients 3.5) -> 0.39 TFLOP -> 0.5 ms
+  at 790 TFLOP/s (about 1 ms at the dense TF32 rate the fp32 tiles use).
+
+Status: checked on CPU (interpreter) against float64 autograd and compiled for sm_90a; not yet
+run on a GPU, so it is not the default (``chunk_bwd.DEFAULT_ALGORITHM``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kdakit.ops.kda.chunk_bwd_common import (
+    CHUNK,
+    LAST_LAUNCH,
+    exact_pairwise_bwd,
+    exact_qk_kk,
+    grad_precision,
+    interpreting,
+    state_step,
+    state_strides,
+)
+from kdakit.ops.kda.chunk_common import (
+    beta_activation,
+    beta_activation_bwd,
+    block_size,
+    causal_mask,
+    gate_log_decay,
+    gate_log_decay_bwd,
+    l2norm_rows,
+    l2norm_rows_bwd,
+    load_chunk_beta,
+    load_chunk_gate,
+    load_matrix,
+    load_row_scalars,
+    load_rows,
+    round_to_bf16,
+    row_of,
+    safe_gate_factors,
+    store_matrix,
+    store_row_scalars,
+    store_rows,
+    unit_lower_inverse,
+    unit_lower_inverse_doubling,
+)
+
+RECOMPUTE_TOKENS = 256  # the plan's L2 rule: windows of gcd(256, L) tokens
+
+
+@triton.jit
+def _seq_span(cu_seqlens, n, T, IS_VARLEN: tl.constexpr):
+    """(first token, length) of sequence n: int64 and int32 scalars."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    else:
+        bos = n.to(tl.int64) * T
+        eos = bos + T
+    return bos, (eos - bos).to(tl.int32)
+
+
+@triton.jit
+def _stage_value(x, ROUND_STAGE: tl.constexpr):
+    if ROUND_STAGE:
+        x = round_to_bf16(x)
+    return x
+
+
+@triton.jit
+def _dstate_step(dS, q_base, k_base, g_base, b_base, bias_ptr, do_base, t0, n_rows, s_qk, s_v, s_g, s_b,
+                 K, n_vcols, scale, expA, lower_bound, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+                 BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
+                 DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr):
+    """dL/dS before the chunk at row t0 from dL/dS after it; needs no state (S-free)::
+
+        dV' = scale Aqk^T dO + kd dS,   dS_prev = gC dS + scale (q Gam)^T dO - W^T dV'
+
+    dS ``[BK, BV]`` fp32 holds value columns ``[0, n_vcols)`` of do_base (already offset to
+    the block); value columns are independent, so the V-split is exact.
+    """
+    q = load_rows(q_base, t0, n_rows, s_qk, 0, K, C, BK)  # [C, BK]
+    k = load_rows(k_base, t0, n_rows, s_qk, 0, K, C, BK)
+    if L2NORM:
+        q, _ = l2norm_rows(q)
+        k, _ = l2norm_rows(k)
+    do = load_rows(do_base, t0, n_rows, s_v, 0, n_vcols, C, BV)  # [C, BV]
+    a = load_chunk_gate(g_base, bias_ptr, t0, n_rows, s_g, 0, K, expA, lower_bound, C, BK, GATE, HAS_BIAS)
+    b = load_chunk_beta(b_base, t0, n_rows, s_b, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
+    G = tl.cumsum(a, axis=0)  # [C, BK]
+    GC = row_of(G, C - 1, C)  # [BK]
+    Gam = tl.exp(G)
+    if SAFE:
+        eg, egi = safe_gate_factors(G, C)
+        ki = k * egi
+        Aqk = tl.where(causal_mask(C, True), tl.dot(q * eg, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
+        Akk = tl.where(causal_mask(C, False), tl.dot(k * eg, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
+    else:
+        Aqk, Akk = exact_qk_kk(q, k, G, C)
+    if INV_DOUBLING:
+        Tinv = unit_lower_inverse_doubling(b[:, None] * Akk, C)  # [C, C]
+    else:
+        Tinv = unit_lower_inverse(b[:, None] * Akk, C)
+    W = tl.dot(Tinv, b[:, None] * k * Gam, input_precision=DOT_PREC)  # [C, BK]
+    kd = k * tl.exp(GC[None, :] - G)  # [C, BK]
+    sdo = scale * do
+    dVp = tl.dot(tl.trans(Aqk), sdo, input_precision=DOT_PREC) + tl.dot(kd, dS, input_precision=DOT_PREC)
+    return tl.exp(GC)[:, None] * dS + tl.dot(tl.trans(q * Gam), sdo, input_precision=DOT_PREC) \
+        - tl.dot(tl.trans(W), dVp, input_precision=DOT_PREC)  # [BK, BV]
+
+
+@triton.jit
+def chunk_kda_bwd_window_starts_kernel(
+    k, v, g, beta, ckpt, ckpt_off, cu_seqlens, A_log, dt_bias, ws_win,
+    seg, lower_bound, T, H, HV, K, V,
+    GROUP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    SEG_CHUNKS: tl.constexpr, SUB_CHUNKS: tl.constexpr, N_SUB: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr,
+):
+    """Stage 1, grid (N*HV, cdiv(V, BV)): states at the start of windows 1.. of checkpoint segment
+    ``seg`` (window 0 starts at the checkpoint), walked forward from the checkpoint.
+    """
+    item = tl.program_id(0)
+    v0 = tl.program_id(1) * BV
+    n = item // HV
+    hv = item % HV
+    h = hv // GROUP
+    bos, n_rows = _seq_span(cu_seqlens, n, T, IS_VARLEN)
+    n_chunks = (n_rows + C - 1) // C
+    c0 = seg * SEG_CHUNKS
+    if c0 < n_chunks:
+        KV = K.to(tl.int64) * V
+        c1 = tl.minimum(n_chunks, c0 + SEG_CHUNKS)
+        n_sub = (c1 - c0 + SUB_CHUNKS - 1) // SUB_CHUNKS
+        if HAS_A:
+            expA = tl.exp(tl.load(A_log + hv).to(tl.float32))
+        else:
+            expA = 1.0
+        k_b = k + bos * (H * K) + h * K
+        v_b = v + bos * (HV * V) + hv * V + v0
+        g_b = g + bos * (HV * K) + hv * K
+        b_b = beta + bos * HV + hv
+        slots = ws_win + item.to(tl.int64) * (N_SUB - 1) * KV
+        S = load_matrix(ckpt + ((tl.load(ckpt_off + n) + seg) * HV + hv) * KV, V, 1, K, V, v0, BK, BV)
+        c = c0
+        while c < c0 + (n_sub - 1) * SUB_CHUNKS:
+            S = state_step(S, k_b, v_b, g_b, b_b, dt_bias + hv * K, c * C, n_rows, H * K, HV * V, HV * K, HV,
+                            K, V - v0, expA, lower_bound, C, BK, BV, GATE, HAS_BIAS, L2NORM, BETA_SIGMOID,
+                            NEG_EIGVAL, SAFE, DOT_PREC, INV_DOUBLING)
+            c += 1
+            if (c - c0) % SUB_CHUNKS == 0:
+                store_matrix(slots + ((c - c0) // SUB_CHUNKS - 1) * KV, S, V, 1, K, V, v0, BK, BV)
+
+
+@triton.jit
+def chunk_kda_bwd_window_states_kernel(
+    q, k, v, g, beta, do, ckpt, ckpt_off, cu_seqlens, A_log, dt_bias, ws_win, ws_s, ws_ds, carry,
+    win, scale, lower_bound, T, H, HV, K, V, s_c_n, s_c_h, s_c_k, s_c_v,
+    GROUP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    SUB_CHUNKS: tl.constexpr, N_SUB: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr, ROUND_STAGE: tl.constexpr,
+):
+    """Stage 2, grid (N*HV, cdiv(V, BV), 2) for window ``win`` (global window index of every sequence).
+
+    Role 0 walks the window forward from its start state and stores every chunk's start state
+    S_c into ``ws_s``; role 1 walks it in reverse from the carried dS (``carry``, state layout
+    strides) and stores every chunk's dS after it into ``ws_ds``, then updates the carry. The
+    two roles are independent (the dS recurrence is S-free). ROUND_STAGE (interpreter, bf16 slots)
+    rounds to nearest before the store, as the GPU's cast does (the interpreter's cast truncates).
+    """
+    item = tl.program_id(0)
+    v0 = tl.program_id(1) * BV
+    role = tl.program_id(2)
+    n = item // HV
+    hv = item % HV
+    h = hv // GROUP
+    bos, n_rows = _seq_span(cu_seqlens, n, T, IS_VARLEN)
+    n_chunks = (n_rows + C - 1) // C
+    d0 = win * SUB_CHUNKS
+    if d0 < n_chunks:
+        KV = K.to(tl.int64) * V
+        d1 = tl.minimum(n_chunks, d0 + SUB_CHUNKS)
+        if HAS_A:
+            expA = tl.exp(tl.load(A_log + hv).to(tl.float32))
+        else:
+            expA = 1.0
+        k_b = k + bos * (H * K) + h * K
+        g_b = g + bos * (HV * K) + hv * K
+        b_b = beta + bos * HV + hv
+        bias_p = dt_bias + hv * K
+        if role == 0:
+            w = win % N_SUB
+            if w == 0:
+                S = load_matrix(ckpt + ((tl.load(ckpt_off + n) + win // N_SUB) * HV + hv) * KV, V, 1, K, V, v0,
+                                BK, BV)
+            else:
+                S = load_matrix(ws_win + (item.to(tl.int64) * (N_SUB - 1) + w - 1) * KV, V, 1, K, V, v0, BK, BV)
+            slots = ws_s + item.to(tl.int64) * SUB_CHUNKS * KV
+            v_b = v + bos * (HV * V) + hv * V + v0
+            c = d0
+            while c < d1 - 1:
+                store_matrix(slots + (c - d0) * KV, _stage_value(S, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
+                S = state_step(S, k_b, v_b, g_b, b_b, bias_p, c * C, n_rows, H * K, HV * V, HV * K, HV,
+                                K, V - v0, expA, lower_bound, C, BK, BV, GATE, HAS_BIAS, L2NORM, BETA_SIGMOID,
+                                NEG_EIGVAL, SAFE, DOT_PREC, INV_DOUBLING)
+                c += 1
+            store_matrix(slots + (d1 - 1 - d0) * KV, _stage_value(S, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
+        else:
+            q_b = q + bos * (H * K) + h * K
+            do_b = do + bos * (HV * V) + hv * V + v0
+            c_ptr = carry + n.to(tl.int64) * s_c_n + hv * s_c_h
+            dS = load_matrix(c_ptr, s_c_k, s_c_v, K, V, v0, BK, BV)  # [BK, BV]
+            slots = ws_ds + item.to(tl.int64) * SUB_CHUNKS * KV
+            c = d1 - 1
+            while c >= d0:
+                store_matrix(slots + (c - d0) * KV, _stage_value(dS, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
+                dS = _dstate_step(dS, q_b, k_b, g_b, b_b, bias_p, do_b, c * C, n_rows, H * K, HV * V, HV * K, HV,
+                                  K, V - v0, scale, expA, lower_bound, C, BK, BV, GATE, HAS_BIAS, L2NORM,
+                                  BETA_SIGMOID, NEG_EIGVAL, SAFE, DOT_PREC, GRAD_PREC, INV_DOUBLING)
+                c -= 1
+            store_matrix(c_ptr, dS, s_c_k, s_c_v, K, V, v0, BK, BV)
+
+
+@triton.jit
+def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, bias_ptr, do_base,
+                       dv_base, dg_base, db_base, t0, n_rows, s_qk, s_v, s_g, s_b, K, V, scale, expA, lower_bound,
+                       C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+                       BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
+                       DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr):
+    """The gradients of ``chunk_grads`` (not dS_prev) with S and dS read in value blocks of BV.
+
+    S and dS are K-major ``[K, V]`` slots at s_base / ds_base. Only ``[BK, BV]`` pieces of them and
+    ``[C, BV]`` value tiles are live at a time; everything that sums over V (dAqk, dqΓ, dW, dkd,
+    dgC, the dV' Y^T part of dT, dbeta's value term) accumulates across the blocks, and dv is
+    stored per block. Stores dv, dg, dbeta; returns (dA_log term, ddt_bias term ``[BK]``, dq, dk
+    ``[C, BK]`` raw-input gradients).
+    """
+    r = tl.arange(0, C)
+    cols = tl.arange(0, BK)
+    rmask = (t0 + r) < n_rows  # [C]
+    m2 = rmask[:, None] & (cols < K)[None, :]  # [C, BK]
+
+    q_raw = load_rows(q_base, t0, n_rows, s_qk, 0, K, C, BK)  # [C, BK]
+    k_raw = load_rows(k_base, t0, n_rows, s_qk, 0, K, C, BK)
+    if L2NORM:
+        q, rq = l2norm_rows(q_raw)
+        k, rk = l2norm_rows(k_raw)
+    else:
+        q = q_raw
+        k = k_raw
+    x = load_rows(g_base, t0, n_rows, s_g, 0, K, C, BK)  # [C, BK] gate pre-activation
+    if HAS_BIAS:
+        x = x + tl.load(bias_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+    a = tl.where(m2, gate_log_decay(x, expA, lower_bound, GATE), 0.0)  # [C, BK]
+    b_raw = load_row_scalars(b_base, t0, n_rows, s_b, C)  # [C]
+    b = tl.where(rmask, beta_activation(b_raw, BETA_SIGMOID, NEG_EIGVAL), 0.0)
+
+    G = tl.cumsum(a, axis=0)  # [C, BK]
+    Gam = tl.exp(G)
+    GC = row_of(G, C - 1, C)  # [BK]
+    gC = tl.exp(GC)
+    eC = tl.exp(GC[None, :] - G)  # [C, BK]
+    kd = k * eC
+    if SAFE:
+        eg, egi = safe_gate_factors(G, C)
+        qr = q * eg
+        kr = k * eg
+        ki = k * egi
+        Aqk = tl.where(causal_mask(C, True), tl.dot(qr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
+        Akk = tl.where(causal_mask(C, False), tl.dot(kr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
+    else:
+        Aqk, Akk = exact_qk_kk(q, k, G, C)
+    if INV_DOUBLING:
+        Tinv = unit_lower_inverse_doubling(b[:, None] * Akk, C)  # [C, C]
+    else:
+        Tinv = unit_lower_inverse(b[:, None] * Akk, C)
+    TinvT = tl.trans(Tinv)
+    X = b[:, None] * k * Gam  # [C, BK]
+    W = tl.dot(Tinv, X, input_precision=DOT_PREC)  # [C, BK]
+
+    # ---- the value dimension, one block at a time
+    dAqk = tl.zeros([C, C], dtype=tl.float32)
+    dTY = tl.zeros([C, C], dtype=tl.float32)  # dV' Y^T part of dT
+    dqG = tl.zeros([C, BK], dtype=tl.float32)
+    dW = tl.zeros([C, BK], dtype=tl.float32)
+    dkd = tl.zeros([C, BK], dtype=tl.float32)
+    dgC = tl.zeros([BK], dtype=tl.float32)
+    db = tl.zeros([C], dtype=tl.float32)
+    v0 = 0
+    while v0 < V:
+        vt = load_rows(v_base, t0, n_rows, s_v, v0, V, C, BV)  # [C, BV]
+        sdo = scale * load_rows(do_base, t0, n_rows, s_v, v0, V, C, BV)  # [C, BV]
+        S = load_matrix(s_base, V, 1, K, V, v0, BK, BV)  # [BK, BV]
+        dS = load_matrix(ds_base, V, 1, K, V, v0, BK, BV)
+        Y = b[:, None] * vt
+        Vp = tl.dot(Tinv, Y, input_precision=DOT_PREC) - tl.dot(W, S, input_precision=DOT_PREC)  # [C, BV]
+        dVp = tl.dot(tl.trans(Aqk), sdo, input_precision=DOT_PREC) + tl.dot(kd, dS, input_precision=DOT_PREC)
+        dAqk += tl.dot(sdo, tl.trans(Vp), input_precision=DOT_PREC)
+        dqG += tl.dot(sdo, tl.trans(S), input_precision=GRAD_PREC)
+        dW -= tl.dot(dVp, tl.trans(S), input_precision=DOT_PREC)
+        dkd += tl.dot(Vp, tl.trans(dS), input_precision=GRAD_PREC)
+        dgC += tl.sum(S * dS, axis=1)
+        dTY += tl.dot(dVp, tl.trans(Y), input_precision=DOT_PREC)
+        dY = tl.dot(TinvT, dVp, input_precision=DOT_PREC)  # [C, BV]
+        store_rows(dv_base, b[:, None] * dY, t0, n_rows, s_v, v0, V, C, BV)
+        db += tl.sum(vt * dY, axis=1)
+        v0 += BV
+    dAqk = tl.where(causal_mask(C, True), dAqk, 0.0)
+
+    # ---- through Tinv = (I + beta Araw)^-1
+    dT = tl.dot(dW, tl.trans(X), input_precision=DOT_PREC) + dTY
+    dX = tl.dot(TinvT, dW, input_precision=GRAD_PREC)  # [C, BK]
+    dM = -tl.dot(tl.dot(TinvT, dT, input_precision=DOT_PREC), TinvT, input_precision=DOT_PREC)
+    dM = tl.where(causal_mask(C, False), dM, 0.0)  # [C, C]
+    dAkk = b[:, None] * dM
+    db += tl.sum(dM * Akk, axis=1)
+
+    # ---- pairwise terms
+    if SAFE:
+        dqr = tl.dot(dAqk, ki, input_precision=GRAD_PREC)  # [C, BK]
+        dkr = tl.dot(dAkk, ki, input_precision=GRAD_PREC)
+        dki = tl.dot(tl.trans(dAqk), qr, input_precision=GRAD_PREC) \
+            + tl.dot(tl.trans(dAkk), kr, input_precision=GRAD_PREC)
+        dq = dqr * eg
+        dk = dkr * eg + dki * egi
+        dG = dqr * qr + dkr * kr - dki * ki
+    else:
+        dq, dk, dG = exact_pairwise_bwd(dAqk, dAkk, q, k, G, C)
+
+    # ---- elementwise terms
+    db += tl.sum(k * Gam * dX, axis=1)
+    dk += b[:, None] * Gam * dX
+    dG += dX * X
+    dq += dqG * Gam
+    dG += dqG * q * Gam
+    dk += dkd * eC
+    dG -= dkd * kd
+    last = tl.sum(dkd * kd, axis=0) + dgC * gC  # [BK]: d/dG[C-1] through G[C-1] - G and gC
+    dG += tl.where((r == C - 1)[:, None], last[None, :], 0.0)
+    da = tl.cumsum(dG, axis=0, reverse=True)  # [C, BK]
+
+    # ---- token transforms
+    dx, dlog = gate_log_decay_bwd(da, x, expA, lower_bound, GATE)
+    dx = tl.where(m2, dx, 0.0)
+    dA_term = tl.sum(tl.sum(tl.where(m2, dlog, 0.0), axis=1), axis=0)
+    ddt_term = tl.sum(dx, axis=0)  # [BK]
+    if L2NORM:
+        dq = l2norm_rows_bwd(dq, q, rq)
+        dk = l2norm_rows_bwd(dk, k, rk)
+    store_rows(dg_base, dx, t0, n_rows, s_g, 0, K, C, BK)
+    store_row_scalars(db_base, beta_activation_bwd(db, b_raw, BETA_SIGMOID, NEG_EIGVAL), t0, n_rows, s_b, C)
+    return dA_term, ddt_term, dq, dk
+
+
+@triton.jit
+def chunk_kda_bwd_window_grads_kernel(
+    q, k, v, g, beta, do, cu_seqlens, A_log, dt_bias, ws_s, ws_ds,
+    dq, dk, dv, dg, dbeta, dA_part, ddt_part,
+    win, scale, lower_bound, T, H, HV, K, V,
+    GROUP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB_CHUNKS: tl.constexpr,
+    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr,
+):
+    """Stage 3, grid (N*H, SUB_CHUNKS) for window ``win``: every gradient of one chunk, for the
+    GROUP value heads of one q/k head (dq, dk summed over them in registers, stored once), from
+    S_c and dS_{c+1} of stage 2. Parameter partials accumulate into their (item, chunk slot).
+    """
+    i_nh = tl.program_id(0)
+    j = tl.program_id(1)
+    n = i_nh // H
+    h = i_nh % H
+    bos, n_rows = _seq_span(cu_seqlens, n, T, IS_VARLEN)
+    n_chunks = (n_rows + C - 1) // C
+    c = win * SUB_CHUNKS + j
+    if c < n_chunks:
+        KV = K.to(tl.int64) * V
+        cols = tl.arange(0, BK)
+        t0 = c * C
+        q_b = q + bos * (H * K) + h * K
+        k_b = k + bos * (H * K) + h * K
+        dq_acc = tl.zeros([C, BK], dtype=tl.float32)
+        dk_acc = tl.zeros([C, BK], dtype=tl.float32)
+        for gi in range(GROUP):
+            hv = h * GROUP + gi
+            item = (n * HV + hv).to(tl.int64)
+            if HAS_A:
+                expA = tl.exp(tl.load(A_log + hv).to(tl.float32))
+            else:
+                expA = 1.0
+            slot = (item * SUB_CHUNKS + j) * KV
+            vo = bos * (HV * V) + hv * V
+            go = bos * (HV * K) + hv * K
+            dA_t, ddt_t, dq_t, dk_t = _chunk_grads_vloop(
+                ws_s + slot, ws_ds + slot, q_b, k_b, v + vo, g + go, beta + bos * HV + hv, dt_bias + hv * K,
+                do + vo, dv + vo, dg + go, dbeta + bos * HV + hv, t0, n_rows,
+                H * K, HV * V, HV * K, HV, K, V, scale, expA, lower_bound,
+                C, BK, BV, GATE, HAS_BIAS, L2NORM, BETA_SIGMOID, NEG_EIGVAL, SAFE, DOT_PREC, GRAD_PREC,
+                INV_DOUBLING)
+            dq_acc += dq_t
+            dk_acc += dk_t
+            if HAS_A:
+                pa = dA_part + item * SUB_CHUNKS + j
+                tl.store(pa, tl.load(pa) + dA_t)
+            if HAS_BIAS:
+                pb = ddt_part + (item * SUB_CHUNKS + j) * K + cols
+                tl.store(pb, tl.load(pb, mask=cols < K, other=0.0) + ddt_t, mask=cols < K)
+        store_rows(dq + bos * (H * K) + h * K, dq_acc, t0, n_rows, H * K, 0, K, C, BK)
+        store_rows(dk + bos * (H * K) + h * K, dk_acc, t0, n_rows, H * K, 0, K, C, BK)
+
+
+
+# ---------------------------------------------------------------- launcher ----------------------
+
+# Value block of the gradient stage's loop over V (S and dS are read [K, BV] at a time) and its warps.
+# sm_90a builds (ptxas 12.8, K = 128, bf16): every stage sits at 255 registers a thread; the gradient
+# stage spills ~3.3 KB (SAFE) / 3.5 KB (EXACT) at 4 warps and BV 32, vs 2.7 / 3.4 KB at 8 warps and
+# BV 64 (one program per SM instead of two); stage 2 spills 2.5 KB at BV 64 and 3.5 KB at BV 128
+# (4 warps), stage 1 0.5 KB at BV 64. Most of it is the 16-row chunk: a [16, K] tile feeding tl.dot
+# as its left operand is held whole by every warp.
+GRADS_BLOCK_V = 32
+GRADS_NUM_WARPS = 4
+STATE_NUM_WARPS = 4  # the sequential stages (one [K, BV] state tile, BV = state_block_v)
+
+
+def default_stage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Storage of the per-chunk S_c and dS slots: bf16 for 16-bit inputs (RMS ratio cost < 7e-4 on
+    every gradient, float64 emulation at 4K tokens), fp32 for fp32 inputs."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+def state_block_v(units: int, V: int, num_sms: int = 132) -> int:
+    """V block of a sequential stage with ``units`` programs per value block (stage 1: N*HV; stage 2:
+    2*N*HV): the smallest of 32, 64, 128 whose grid fits one wave (2 programs per SM: 4 warps at
+    about 255 registers). Every program walks the same number of dependent chunk steps, so a second
+    wave doubles the stage's time while a wider block only adds work to each step.
+    """
+    full = block_size(V)
+    for bv in (32, 64):
+        if bv >= full or units * (-(-V // bv)) <= 2 * num_sms:
+            return min(bv, full)
+    return min(128, full)
+
+
+def backward_workspace_allocations(N: int, HV: int, K: int, V: int, T_max: int, L: int, seqlens=None,
+                                   dtype: torch.dtype = torch.bfloat16, *, initial_state: bool = False,
+                                   gate_params: bool = True, recompute_every_n_tokens: int | None = None,
+                                   stage_dtype: torch.dtype | None = None) -> list[tuple[str, tuple, torch.dtype]]:
+    """``(name, shape, dtype)`` of every workspace tensor the windowed backward allocates, in order.
+
+    N sequences, HV value heads, checkpoint cadence L; windows of ``L2 = recompute_every_n_tokens``
+    (default ``gcd(256, L)``, the plan's rule) tokens. Nothing depends on T_max or seqlens (kept
+    for the plan's call; the workspace is sized by windows, not by T). The state-gradient carry is
+    dh0 itself when there is an initial state (a gradient output, not listed). Allocated after the
+    gradient outputs and freed before the parameter sums; dq and dk need no GVA partials.
+    """
+    C = CHUNK
+    L2 = math.gcd(RECOMPUTE_TOKENS, L) if recompute_every_n_tokens is None else int(recompute_every_n_tokens)
+    if L % L2 or L2 % C:
+        raise ValueError(f"need C | L2 | L, got C={C}, L2={L2}, L={L}")
+    st = default_stage_dtype(dtype) if stage_dtype is None else stage_dtype
+    f32 = torch.float32
+    items, sub = N * HV, L2 // C
+    out = []
+    if gate_params:
+        out.append(("bwd_dA_log_partials", (items, sub), f32))
+        out.append(("bwd_ddt_bias_partials", (items, sub, K), f32))
+    if not initial_state:
+        out.append(("bwd_state_grad_carry", (N, HV, K, V), f32))
+    if L // L2 > 1:
+        out.append(("bwd_window_start_states", (items, L // L2 - 1, K, V), f32))
+    out.append(("bwd_chunk_states", (items, sub, K, V), st))
+    out.append(("bwd_chunk_state_grads", (items, sub, K, V), st))
+    return out
+
+
+def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlens, A_log, dt_bias, initial_state,
+                  scale, lower_bound, state_v_first, L, L2, N, stage_dtype, consts, plan):
+    """The windowed pipeline: per checkpoint segment stage 1, per window (last first) stages 2 and 3."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    C, dev, f32 = CHUNK, q.device, torch.float32
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dv, dg, dbeta = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
+    items, sub, n_sub = N * HV, L2 // C, L // L2
+    dA_part = torch.zeros(items, sub, dtype=f32, device=dev) if consts["HAS_A"] else None
+    ddt_part = torch.zeros(items, sub, K, dtype=f32, device=dev) if consts["HAS_BIAS"] else None
+    # The carried dS lives in dh0 itself (state layout, read through strides) when there is one.
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    if initial_state is not None:
+        if tuple(initial_state.shape) != state_shape:
+            raise ValueError(f"initial_state must have shape {list(state_shape)}, got {list(initial_state.shape)}")
+        dh0 = torch.empty(state_shape, dtype=f32, device=dev)
+        carry = dh0
+    else:
+        dh0 = None
+        carry = torch.empty(state_shape, dtype=f32, device=dev)
+    if dht is not None:
+        carry.copy_(dht)
+    else:
+        carry.zero_()
+    ws_win = torch.empty(items, n_sub - 1, K, V, dtype=f32, device=dev) if n_sub > 1 else None
+    ws_s = torch.empty(items, sub, K, V, dtype=stage_dtype, device=dev)
+    ws_ds = torch.empty(items, sub, K, V, dtype=stage_dtype, device=dev)
+
+    max_len = max(plan.seqlens, default=0) if cu_seqlens is not None else T
+    n_win = -(-max_len // L2)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+    BK, BVG = block_size(K), min(block_size(V), GRADS_BLOCK_V)
+    BV1, BV2 = state_block_v(items, V, sms), state_block_v(2 * items, V, sms)
+    dummy = carry
+    cu = cu_seqlens if cu_seqlens is not None else ckpt_offsets
+    a_ptr = A_log if consts["HAS_A"] else dummy
+    b_ptr = dt_bias if consts["HAS_BIAS"] else dummy
+    c_str = state_strides(carry, state_v_first)
+    seq = {k_: consts[k_] for k_ in ("GATE", "HAS_A", "HAS_BIAS", "L2NORM", "BETA_SIGMOID", "NEG_EIGVAL", "SAFE",
+                                     "IS_VARLEN", "DOT_PREC", "INV_DOUBLING")}
+    grad_prec = grad_precision()
+    for win in reversed(range(n_win)):
+        seg = win // n_sub
+        # Stage 1 runs before the segment's first processed (= last existing) window.
+        if n_sub > 1 and win == min(n_win - 1, seg * n_sub + n_sub - 1):
+            LAST_LAUNCH["window_starts"] = chunk_kda_bwd_window_starts_kernel[(items, triton.cdiv(V, BV1))](
+                k, v, g, beta, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr, ws_win,
+                seg, lower_bound, T, H, HV, K, V,
+                GROUP=HV // H, C=C, BK=BK, BV=BV1, SEG_CHUNKS=L // C, SUB_CHUNKS=sub, N_SUB=n_sub, **seq,
+                num_warps=STATE_NUM_WARPS, num_stages=1)
+        LAST_LAUNCH["window_states"] = chunk_kda_bwd_window_states_kernel[(items, triton.cdiv(V, BV2), 2)](
+            q, k, v, g, beta, do, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr,
+            ws_win if ws_win is not None else dummy, ws_s, ws_ds, carry,
+            win, scale, lower_bound, T, H, HV, K, V, *c_str,
+            GROUP=HV // H, C=C, BK=BK, BV=BV2, SUB_CHUNKS=sub, N_SUB=n_sub, **seq, GRAD_PREC=grad_prec,
+            ROUND_STAGE=interpreting() and stage_dtype == torch.bfloat16, num_warps=STATE_NUM_WARPS, num_stages=1)
+        LAST_LAUNCH["window_grads"] = chunk_kda_bwd_window_grads_kernel[(N * H, sub)](
+            q, k, v, g, beta, do, cu, a_ptr, b_ptr, ws_s, ws_ds,
+            dq, dk, dv, dg, dbeta, dA_part if dA_part is not None else dummy,
+            ddt_part if ddt_part is not None else dummy,
+            win, scale, lower_bound, T, H, HV, K, V,
+            C=C, BK=BK, BV=BVG, SUB_CHUNKS=sub, GROUP=HV // H, **seq, GRAD_PREC=grad_prec,
+            num_warps=GRADS_NUM_WARPS, num_stages=1)
+    del ws_win, ws_s, ws_ds, carry
+    return dq, dk, dv, dg, dbeta, dA_part, ddt_part, dh0
+
+
