@@ -2,8 +2,9 @@
 # The GPU tier and the benchmarks in one go, on the H200 (device tool), results under $OUT.
 #
 #   bash benchmarks/run_gpu.sh [STAGE ...]   stages, in priority order:
-#       env chunk recurrent tests fla        (default: all)
+#       env chunk windowed recurrent tests fla        (default: all)
 #   chunk     correctness gate + kdakit at the four SPEC §3 shapes (bench_chunk.py)
+#   windowed  the same with the windowed backward (KDAKIT_CHUNK_BACKWARD=windowed)
 #   recurrent decode and recurrent fwd+bwd benchmark (bench_recurrent.py)
 #   tests     the GPU test tier (tests marked gpu)
 #   fla       FLA 0.6.0 at SPEC shapes in the same run (FLA_SHAPES; autotuning takes minutes)
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env chunk recurrent tests fla)
+[ ${#stages[@]} -eq 0 ] && stages=(env chunk windowed recurrent tests fla)
 has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -50,6 +51,13 @@ fi
 if has chunk; then
     timeout "${STAGE_LIMIT_chunk:-240}" python3 benchmarks/bench_chunk.py --backends kdakit --shapes "$SHAPES" \
         --cell-timeout 120 --out "$OUT/chunk_kdakit.json" 2>&1 | tee -a "$OUT/run.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+
+if has windowed; then
+    KDAKIT_CHUNK_BACKWARD=windowed timeout "${STAGE_LIMIT_windowed:-240}" python3 benchmarks/bench_chunk.py \
+        --backends kdakit --shapes "$SHAPES" --cell-timeout 120 --out "$OUT/chunk_kdakit_windowed.json" \
+        2>&1 | tee -a "$OUT/run.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 
