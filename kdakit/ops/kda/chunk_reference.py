@@ -107,13 +107,13 @@ def _chunk_step(qc, kc, vc, ac, bc, S, scale):
     return O, S
 
 
-def _segment_forward(raw, idx, valid, S, params, opts: ReferenceOptions, group: int):
-    """Gather a segment's tokens, apply the token transforms and run its chunks.
+def _segment_forward(tokens, valid, S, params, opts: ReferenceOptions, group: int):
+    """Apply the token transforms to a segment's gathered tokens and run its chunks.
 
-    raw: (q, k, v, g, beta) flattened over (B, T); idx, valid: [N, Ls]; S: [N, HV, K, V].
+    tokens: (q, k, v, g, beta), each [N, Ls, heads(, dim)]; valid: [N, Ls]; S: [N, HV, K, V].
     Returns (O [N, HV, Ls, V], S_end).
     """
-    q, k, v, g, beta = (_gather(x, idx) for x in raw)                      # [N, Ls, heads, dim]
+    q, k, v, g, beta = tokens
     A_log, dt_bias = params
     dt = S.dtype
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
@@ -164,7 +164,8 @@ class ChunkedKDAFunction(torch.autograd.Function):
         with torch.no_grad():
             for s in range(0, L, seg):
                 ckpts.append(S)
-                O, S = _segment_forward(raw, idx[:, s:s + seg], valid[:, s:s + seg], S, (A_log, dt_bias), opts, HV // H)
+                tokens = [x[idx[:, s:s + seg]] for x in raw]
+                O, S = _segment_forward(tokens, valid[:, s:s + seg], S, (A_log, dt_bias), opts, HV // H)
                 _scatter_rows(o_flat, O.permute(0, 2, 1, 3), idx[:, s:s + seg], valid[:, s:s + seg])
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                               torch.stack(ckpts) if ckpts else S.new_zeros(0, *S.shape))
@@ -200,7 +201,7 @@ class ChunkedKDAFunction(torch.autograd.Function):
             leaves = [x.requires_grad_() for x in (r[ix].detach() for r in raw)]
             S0 = ckpts[i].detach().requires_grad_()
             with torch.enable_grad():
-                O, S1 = _segment_forward(leaves, _IdentityIndex(ix), vd, S0, params, opts, HV // H)
+                O, S1 = _segment_forward(leaves, vd, S0, params, opts, HV // H)
                 dO = do_flat[ix].permute(0, 2, 1, 3).to(O.dtype) * vd[:, None, :, None]
                 wrt = leaves + [S0] + [p for p in params if p is not None]
                 gs = torch.autograd.grad((O, S1), wrt, (dO, dS), allow_unused=True)
@@ -221,17 +222,6 @@ class ChunkedKDAFunction(torch.autograd.Function):
         dA = dparams[0] if A_log is not None else None
         dbias = dparams[1] if dt_bias is not None else None
         return dq, dk, dv, dg, db, dA, dbias, dh0, None, None
-
-
-class _IdentityIndex:
-    """Marks a segment whose rows were already gathered: ``x[_IdentityIndex]`` returns ``x``."""
-
-    def __init__(self, idx):
-        self.idx = idx
-
-
-def _gather(x, idx):
-    return x if isinstance(idx, _IdentityIndex) else x[idx]
 
 
 def _scatter_rows(dst_flat, rows, idx, valid):
