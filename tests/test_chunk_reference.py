@@ -1,6 +1,5 @@
 """The chunked PyTorch path against the naive definition (float64), bf16 accuracy, gradcheck, memory."""
 
-import itertools
 import random
 
 import pytest

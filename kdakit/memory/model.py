@@ -432,10 +432,8 @@ def fla_model(spec: CallSpec) -> MemoryModel:
     if spec.output_final_state:
         # autograd materializes a zero gradient for the unused final state
         tl.at("backward dht").alloc("dht", (N, HV, K, V), "fp32", GROUP_STAGE)
-    g_name = "g_cumsum"
     if gate_in_kernel:
         tl.at("backward kda_gate_chunk_cumsum").alloc("bwd_g_cumsum", (B, T, HV, K), "fp32", GROUP_RECOMPUTE)
-        g_name = "bwd_g_cumsum"
     tl.at("backward recompute_w_u_fwd")  # now with q: w, u, qg, kg
     tl.alloc("bwd_w", (B, T, HV, K), dt, GROUP_RECOMPUTE)
     tl.alloc("bwd_u", (B, T, HV, V), dt, GROUP_RECOMPUTE)

@@ -418,16 +418,14 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
 
     size = {a.name: a.allocated_bytes for a in allocs}
     cur = peak = fwd_peak = 0
-    peak_at = last_mark = "start"
+    peak_at = "start"
     for kind, name in events:
         if kind == "alloc":
             cur += size[name]
         elif kind == "free":
             cur -= size[name]
-        else:
-            last_mark = name
-            if name == "forward":
-                fwd_peak = cur
+        elif name == "forward":
+            fwd_peak = cur
         if cur > peak:
             peak, peak_at = cur, name if kind == "mark" else f"after allocating {name}"
 
