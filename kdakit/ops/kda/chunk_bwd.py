@@ -1,34 +1,21 @@
 """Triton backward of chunked KDA from the forward's sparse checkpoints.
 
-Math (one chunk of C = 16 rows, state S ``[K, V]`` before it; see ``chunk_bwd_reference.py``, the
-float64 twin checked against autograd)::
-
-    G = cumsum(a), Gam = exp(G), gC = exp(G[C-1]), kd = k exp(G[C-1] - G)
-    Araw = sum_c k_i k_j E_ij (j < i), Aqk = sum_c q_i k_j E_ij (j <= i), E_ij = exp(G_i - G_j)
-    Tinv = (I + beta Araw)^-1, W = Tinv (beta k Gam), U = Tinv (beta v), V' = U - W S
-    forward:  O = scale ((q Gam) S + Aqk V'),  S_next = gC S + kd^T V'
-    backward: dAqk = scale dO V'^T, dV' = scale Aqk^T dO + kd dS_next,
-              dS = gC dS_next + scale (q Gam)^T dO - W^T dV', then dW, dU, dTinv -> dAraw, and the
-              pairwise, decay and transform terms (l2norm, gate, beta sigmoid) of the design note.
+The per-chunk math (forward recompute and every gradient of one chunk) is in ``chunk_bwd_common.py``;
+its float64 twin, checked against autograd, is ``chunk_bwd_reference.py``.
 
 Two algorithms (``chunk_kda_bwd(..., algorithm=...)``):
 
-* ``streaming`` (default; measured on the H200: ~61 ms at 1x8K H96, ``docs/perf_notes.md``): grid
-  over the N * HV items, a program owns all of V; for each checkpoint segment, last first, recompute the states every L2 tokens into per-program slots, then
-  per sub-segment the chunk start states, and walk the chunks in reverse carrying dS ``[BK, BV]`` in
+* ``streaming`` (default; measured on the H200: ~68 ms of the 71.4 ms fwd+bwd at 1x8K H96,
+  ``docs/perf_notes.md``): grid over the N * HV items, a program owns all of V; for each checkpoint
+  segment, last first, recompute the states every L2 tokens into per-program slots, then per
+  sub-segment the chunk start states, and walk the chunks in reverse carrying dS ``[BK, BV]`` in
   registers. Workspace ``programs * (L/L2 + L2/C) * K * V`` state slots; GVA needs fp32 dq/dk
   partials ``[B, T, HV, K]``.
 * ``windowed`` (``chunk_bwd_windowed.py``): parallel stages over windows of the recompute cadence;
   predicted 4-13x faster, not yet run on a GPU.
 
-Pairwise matrices: SAFE (``safe_gate``: a >= -5) factors E through a mid-chunk reference and uses
-``tl.dot``; EXACT (any gate) forms ``exp(G_i - G_j)`` for one column j at a time on ``[C, BK]``
-tiles, never ``exp(-G)``, so log-decays of -1000 stay finite.
-
-Layouts: q, k ``[B, T, H, K]``; v, dO ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]``, all
-contiguous (token-major); checkpoints fp32 ``[rows, HV, K, V]``; dht / dh0 in the state layout
-(K-major or ``state_v_first``), read and written through strides.
-Limits: K, V <= 128 (powers of two are fastest; others are masked). Offsets are int64.
+Layouts and limits: as ``chunk_bwd_common.py`` states (token-major contiguous inputs, fp32
+checkpoints ``[rows, HV, K, V]``, K, V <= 128, int64 offsets).
 """
 
 from __future__ import annotations
