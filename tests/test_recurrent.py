@@ -4,12 +4,15 @@ The Triton kernels run under the interpreter (KDAKIT_BACKEND=triton, TRITON_INTE
 conftest) on tiny shapes with fp32 inputs; references are the naive recurrence in float64.
 """
 
+import math
+
 import pytest
 import torch
 
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
 from kdakit.ops.kda.naive import naive_recurrent_kda
-from kdakit.ops.kda.recurrent_backward import GRAD_NAMES, KDAGrads, recurrent_kda_backward
+from kdakit.ops.kda.recurrent_backward import GRAD_NAMES, KDAGrads, recurrent_kda_backward, scratch_shapes
+from kdakit.ops.kda.recurrent_backward_segmented import SEG, backward_scratch_bytes, segmented_scratch_shapes
 from kdakit.ops.kda.workspace import Workspace
 from kdakit.testing import assert_close, make_kda_inputs, run_kda
 
@@ -260,3 +263,140 @@ def test_backward_rejects_bad_arguments(triton_backend, mutate, exc, pattern):
     pos, named = mutate(pos, named)
     with pytest.raises(exc, match=pattern):
         recurrent_kda_backward(*pos, **named)
+
+
+# --- segmented backward (sequences longer than segment_tokens) --------------------------------
+# Segmented vs one pass: dq, dk, dv, dbeta and dh0 come from the same per-token math on the same
+# states (bitwise equal on the interpreter); the gate gradients differ by how the reverse
+# cumulative sum of da is split (observed rms ratios: segmented 2e-7..4e-6 against float64,
+# one pass 4e-7..2e-5), so those two are compared within FP32_RATIO.
+GATE_GRADS = ("dg", "dA_log", "ddt_bias")
+
+SEGMENT_CASES = {
+    # name: (make_kda_inputs arguments, segment_tokens, with dht)
+    "varlen 0/1/7/13/20, softplus, GVA, [K,V] state, L=5": (
+        dict(T=41, H=1, HV=2, K=8, V=8, gate="softplus", seqlens=[0, 1, 7, 13, 20], initial_state="kv"), 5, True),
+    "varlen 20/0/13/1/7, safe gate, GVA, value-first state, L=8": (
+        dict(T=41, H=2, HV=4, K=8, V=8, gate="safe", seqlens=[20, 0, 13, 1, 7], initial_state="vk"), 8, True),
+    "fixed length B=2 T=17, safe gate, value-first state, L=8": (
+        dict(B=2, T=17, H=1, HV=2, K=8, V=8, gate="safe", initial_state="vk"), 8, True),
+    "fixed length, log-decay gate, no initial state, no dht, L=5": (
+        dict(B=2, T=12, H=1, HV=2, K=8, V=8, gate="none"), 5, False),
+}
+
+
+def _naive_direct_grads(inp, pos, named):
+    """Every gradient of the float64 naive recurrence for the cotangents of ``pos``."""
+    t64 = {n: x.detach().double().requires_grad_() for n, x in inp["tensors"].items()}
+    opts = {n: x for n, x in named.items() if n not in ("A_log", "dt_bias", "initial_state", "segment_tokens")}
+    o, ht = naive_recurrent_kda(t64["q"], t64["k"], t64["v"], t64["g"], t64["beta"], A_log=t64.get("A_log"),
+                                dt_bias=t64.get("dt_bias"), initial_state=t64.get("initial_state"),
+                                output_final_state=True, **opts)
+    names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"]
+    present = [n for n in names if n in t64]
+    outs, cots = [o], [pos[5].double()]
+    if pos[6] is not None:
+        outs.append(ht)
+        cots.append(pos[6].double())
+    got = dict(zip(present, torch.autograd.grad(outs, [t64[n] for n in present], cots)))
+    return [got.get(n) for n in names]
+
+
+@pytest.mark.parametrize("case", list(SEGMENT_CASES))
+def test_segmented_backward_matches_naive_and_one_pass(triton_backend, case):
+    kw, L, with_dht = SEGMENT_CASES[case]
+    inp = _inputs(20, **kw)
+    pos, named = _direct_args(inp)
+    if not with_dht:
+        pos = pos[:6] + (None,)
+    ws = Workspace("cpu")
+    seg = recurrent_kda_backward(*pos, **named, segment_tokens=L, workspace=ws)
+    assert any(n.startswith(SEG) for n in ws._buffers), "the segmented path did not run"
+    one = recurrent_kda_backward(*pos, **named)
+    for gname, want, s, o in zip(GRAD_NAMES, _naive_direct_grads(inp, pos, named), seg, one):
+        if want is None:
+            assert s is None and o is None, gname
+            continue
+        assert s.dtype == o.dtype
+        assert_close(gname, want, s, FP32_RATIO)
+        if gname in GATE_GRADS:
+            assert_close(gname + " (vs one pass)", o.double(), s, FP32_RATIO)
+        else:
+            assert torch.equal(s, o), gname
+
+
+def test_segmented_autograd_matches_naive(triton_backend):
+    inp = _inputs(21, T=21, H=1, HV=2, K=8, V=8, gate="softplus", seqlens=[13, 0, 8], initial_state="kv")
+    _check_against_naive(inp, segment_tokens=4)
+
+
+def _workspace_sizes(ws):
+    return {n: b.numel() * b.element_size() for n, b in ws._buffers.items()}
+
+
+def test_segmented_scratch_is_bounded_in_T_and_predicted(triton_backend):
+    L, sizes = 8, {}
+    for T in (40, 80):
+        inp = _inputs(22, B=1, T=T, H=1, HV=1, K=4, V=4, gate="safe", initial_state="kv")
+        pos, named = _direct_args(inp)
+        ws = Workspace("cpu")
+        recurrent_kda_backward(*pos, **named, segment_tokens=L, workspace=ws)
+        sizes[T] = _workspace_sizes(ws)
+        assert ws.nbytes == backward_scratch_bytes([T], 1, 1, 4, 4, segment_tokens=L, dtypes=dict(
+            q=torch.float32, k=torch.float32, v=torch.float32, g=torch.float32, beta=torch.float32,
+            do=torch.float32, A_log=torch.float32, dt_bias=torch.float32))
+    ckpt = SEG + "checkpoints"
+    # the checkpoints hold one [K, V] fp32 state per segment boundary: 4 and 9 of them
+    assert sizes[40][ckpt] == 4 * 4 * 16 and sizes[80][ckpt] == 9 * 4 * 16
+    del sizes[40][ckpt], sizes[80][ckpt]
+    assert sizes[40] == sizes[80]
+    want = segmented_scratch_shapes(L, 10, 1, 1, 1, 4, 4, dict.fromkeys(
+        ("q", "k", "v", "g", "beta", "do", "A_log", "dt_bias"), torch.float32))
+    assert set(sizes[80]) == set(want) - {ckpt}
+
+
+def test_segmented_out_workspace_reuse_and_determinism(triton_backend):
+    inp = _inputs(23, T=20, H=1, HV=2, K=8, V=8, gate="softplus", seqlens=[11, 9], initial_state="kv")
+    pos, named = _direct_args(inp)
+    like = [pos[0], pos[1], pos[2], pos[3], pos[4], named["A_log"], named["dt_bias"], named["initial_state"]]
+    out = [torch.full_like(x, float("nan")) for x in like]
+    ws = Workspace("cpu")
+    first = recurrent_kda_backward(*pos, **named, workspace=ws, out=out, segment_tokens=4)
+    for o_, g_ in zip(out, first):
+        assert g_ is o_ and torch.isfinite(g_).all()
+    snapshot = [g_.clone() for g_ in first]
+    held = {n: b.data_ptr() for n, b in ws._buffers.items()}
+    plans = dict(ws._plans)
+    again = recurrent_kda_backward(*pos, **named, workspace=ws, out=out, segment_tokens=4)
+    assert {n: b.data_ptr() for n, b in ws._buffers.items()} == held
+    assert len(plans) == 1 and all(ws._plans[k] is p for k, p in plans.items()), "the segment plan was rebuilt"
+    for a, b in zip(snapshot, again):
+        assert torch.equal(a, b)
+
+
+def test_sequences_within_segment_tokens_take_the_one_pass_path(triton_backend):
+    # T = 17 fixed and varlen [9, 8] (B*T > segment_tokens, but no sequence is longer)
+    for kw, L in ((dict(B=2, T=17, H=1, HV=2, K=8, V=8, gate="safe", initial_state="vk"), 17),
+                  (dict(T=17, H=1, HV=2, K=8, V=8, gate="safe", seqlens=[9, 8], initial_state="vk"), 9)):
+        inp = _inputs(24, **kw)
+        pos, named = _direct_args(inp)
+        ws_default, ws_l = Workspace("cpu"), Workspace("cpu")
+        a = recurrent_kda_backward(*pos, **named, workspace=ws_default)
+        b = recurrent_kda_backward(*pos, **named, workspace=ws_l, segment_tokens=L)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+        B, T = pos[0].shape[:2]
+        N = B if "cu_seqlens" not in named else len(named["cu_seqlens"]) - 1
+        want = {"recurrent_bwd." + n: math.prod(s) * 4 for n, (s, _) in scratch_shapes(B, T, 2, 8, 8, N).items()}
+        assert _workspace_sizes(ws_l) == _workspace_sizes(ws_default) == want
+
+
+@pytest.mark.parametrize("bad, exc", [(0, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_segment_tokens_is_checked(triton_backend, bad, exc):
+    inp = _inputs(25, B=1, T=3, H=1, HV=2, K=8, V=8, gate="softplus", initial_state="kv")
+    pos, named = _direct_args(inp)
+    with pytest.raises(exc, match="^segment_tokens must be"):
+        recurrent_kda_backward(*pos, **named, segment_tokens=bad)
+    t, kw = _small()
+    with pytest.raises(exc, match="^segment_tokens must be"):
+        _fwd(t, kw, segment_tokens=bad)

@@ -60,6 +60,18 @@ BETA_RAW, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 
+# The backward's segment length: sequences longer than this are recomputed segment by segment from
+# state checkpoints, so its scratch scales with segment_tokens, not T (recurrent_backward.py).
+DEFAULT_SEGMENT_TOKENS = 1024
+
+
+def check_segment_tokens(segment_tokens) -> int:
+    if isinstance(segment_tokens, bool) or not isinstance(segment_tokens, int):
+        raise TypeError(f"segment_tokens must be an int, got {type(segment_tokens).__name__}")
+    if segment_tokens < 1:
+        raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
+    return segment_tokens
+
 
 def gate_mode(use_gate_in_kernel: bool, lower_bound) -> int:
     if not use_gate_in_kernel:
@@ -277,17 +289,20 @@ def launch_recurrent_forward(
 # ---------------------------------------------------------------------------------------------
 
 class FusedRecurrentKDAFunction(torch.autograd.Function):
-    """Triton forward; the backward replays the recurrence (``launch_recurrent_backward``).
+    """Triton forward; the backward replays the recurrence (``run_recurrent_backward``).
 
     Saves only the inputs (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens).
-    ``outputs`` is the pair ``(o, final_state or None)`` of tensors to write.
+    ``outputs`` is the pair ``(o, final_state or None)`` of tensors to write; ``segment_tokens``
+    bounds the backward's scratch (it recomputes longer sequences segment by segment).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, N, outputs, workspace):
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, N, outputs, workspace,
+                segment_tokens):
         o, final = outputs
         ctx.opts = opts
         ctx.workspace = workspace
+        ctx.segment_tokens = segment_tokens
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
         launch_recurrent_forward(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
                                  cu_seqlens=cu_seqlens, N=N, o=o, final_state=final, **opts)
@@ -296,16 +311,17 @@ class FusedRecurrentKDAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, *rest):
         # Imported here: recurrent_backward imports this module's per-token Triton functions.
-        from kdakit.ops.kda.recurrent_backward import launch_recurrent_backward
+        from kdakit.ops.kda.recurrent_backward import run_recurrent_backward
 
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
         dht = rest[0] if rest else None
-        grads = launch_recurrent_backward(
+        grads = run_recurrent_backward(
             q, k, v, g, beta, do, dht, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-            cu_seqlens=cu_seqlens, workspace=resolve_workspace(ctx.workspace, q.device), **ctx.opts,
+            cu_seqlens=cu_seqlens, workspace=resolve_workspace(ctx.workspace, q.device),
+            segment_tokens=ctx.segment_tokens, **ctx.opts,
         )
         return (grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, grads.dA_log, grads.ddt_bias, grads.dh0,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,6 +354,7 @@ def fused_recurrent_kda(
     out: torch.Tensor | None = None,
     final_state_out: torch.Tensor | None = None,
     workspace: Workspace | None = None,
+    segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Recurrent Kimi Delta Attention with FLA 0.6.0's ``fused_recurrent_kda`` arguments, differentiable.
@@ -359,6 +376,9 @@ def fused_recurrent_kda(
         out: preallocated ``o`` (contiguous, v's shape and dtype).
         final_state_out: preallocated fp32 final state (with ``output_final_state``).
         workspace: ``kdakit.Workspace`` the backward uses (default: stream-local scratch).
+        segment_tokens: the backward recomputes sequences longer than this segment by
+            segment from state checkpoints, so its scratch scales with segment_tokens, not T
+            (``kdakit.recurrent_kda_backward``).
 
     Gradients flow to q, k, v, g, beta, A_log, dt_bias and initial_state; the backward
     (``kdakit.recurrent_kda_backward``) recomputes the recurrence, see its docstring for
@@ -379,6 +399,7 @@ def fused_recurrent_kda(
     if kwargs:
         raise TypeError(f"fused_recurrent_kda got unexpected keyword argument(s) {sorted(kwargs)}")
 
+    check_segment_tokens(segment_tokens)
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     backend = select_backend(device)
     opts = dict(
@@ -451,7 +472,7 @@ def fused_recurrent_kda(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log_k, dt_bias_k, initial_state))
     if needs_grad:
         res = FusedRecurrentKDAFunction.apply(q, k, v, g, beta, A_log_k, dt_bias_k, initial_state, cu_seqlens,
-                                              opts, N, (o, final), workspace)
+                                              opts, N, (o, final), workspace, segment_tokens)
         o, ht = (res, None) if final is None else res
     else:
         launch_recurrent_forward(q, k, v, g, beta, A_log=A_log_k, dt_bias=dt_bias_k, initial_state=initial_state,

@@ -32,11 +32,31 @@ those partials over sequences. Every sum has a fixed order: results are bitwise
 reproducible and graph replays equal eager calls.
 
 Memory: nothing is saved by the forward besides its inputs, and no state series is
-stored (the replays start from the initial state). The scratch is per call and grows
-with the number of tokens: ``4 * B*T * HV * (V + NV * (3 K + 1))`` bytes with
-``NV = cdiv(V, 32)`` (about 6.6 KiB per token and value head at K = V = 128, i.e. about
-26 times the bf16 q; 417 MiB at B*T = 4096, HV = 16), plus ``4 * N * HV * (NV + 1) * (K + 1)``
-bytes. That suits decode- and short-sequence training; for long sequences use ``kdakit.chunk_kda``.
+stored (the replays start from the initial state). All scratch comes from the workspace.
+
+One pass (every sequence has at most ``segment_tokens`` = L tokens): with ``TT = B*T`` and
+``NV = cdiv(V, 32)``, ``4 * TT * HV * (V + NV * (3 K + 1)) + 4 * N * HV * (NV + 1) * (K + 1)``
+bytes (about 6.6 KiB per token and value head at K = V = 128; 417 MiB at TT = 4096, HV = 16).
+
+Segmented (a sequence longer than L): segment s holds tokens ``[s L, (s + 1) L)`` of every
+sequence. The states at segment starts are recomputed by the forward kernel, segment by
+segment, into ``S - 1`` checkpoints (``S = cdiv(max length, L)``); then the segments are
+walked last to first, each gathered into a packed launch of the one-pass backward that
+starts from its checkpoint and ends on the carried state gradient (its dh0 is the previous
+segment's dht); the gradients are scattered back and dA_log / dt_bias summed over segments.
+With ``M = max_s sum_n min(max(len_n - s L, 0), L) <= N L`` (B L for fixed length) and
+``e`` the token dtype's size, the bytes are::
+
+    4 M HV (V + NV (3 K + 1)) + 4 N HV (NV + 1) (K + 1)    one-pass scratch of a segment
+  + e M (4 H K + HV (3 V + 2 K + 2))                       gathered inputs, do and gradients
+  + 4 (S + 1) N HV K V                                     S - 1 checkpoints, 2 carried dS
+  + 8 HV (K + 1)                                           gate-parameter partials
+
+Only the checkpoints grow with T: 4 HV K V / L bytes per token of the longest sequence
+(2 KiB at HV = 32, K = V = 128, L = 1024, a quarter of the bf16 q). Example, N = 1,
+T = 32K, H = HV = 32, K = V = 128, bf16, L = 1024: 347 MiB instead of 6.5 GiB in one
+pass. ``recurrent_backward_segmented.backward_scratch_bytes`` computes these figures. Each token is gathered twice
+and its recurrence replayed three times (checkpoints, then passes 1 and 3).
 """
 
 from __future__ import annotations
@@ -49,13 +69,15 @@ import triton.language as tl
 
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.fused_recurrent import (
+    DEFAULT_SEGMENT_TOKENS,
     beta_mode,
+    beta_value,
     check_kernel_layout,
+    check_segment_tokens,
     gate_mode,
     launch_recurrent_forward,
     load_qk_token,
     log_decay,
-    beta_value,
 )
 from kdakit.ops.kda.naive import naive_recurrent_kda
 from kdakit.ops.kda.validate import validate_kda_inputs
@@ -410,7 +432,7 @@ def launch_recurrent_backward(
     if dht is not None and not dht.is_contiguous():
         dht = dht.contiguous()
 
-    grads = _grad_outputs(q, k, v, g, beta, A_log, dt_bias, initial_state, out)
+    grads = grad_outputs(q, k, v, g, beta, A_log, dt_bias, initial_state, out)
     shapes = scratch_shapes(B, T, HV, K, V, N)
     buf = {name: workspace.buffer("recurrent_bwd." + name, shp, dt) for name, (shp, dt) in shapes.items()}
 
@@ -473,7 +495,22 @@ def launch_recurrent_backward(
     return grads
 
 
-def _grad_outputs(q, k, v, g, beta, A_log, dt_bias, initial_state, out) -> KDAGrads:
+def run_recurrent_backward(
+    q, k, v, g, beta, do, dht, *, segment_tokens: int, cu_seqlens, workspace: Workspace, out=None, **kw,
+) -> KDAGrads:
+    """One launch when every sequence fits in ``segment_tokens`` tokens, else the segmented driver."""
+    # Imported here: the segmented driver builds on this module's launcher.
+    from kdakit.ops.kda.recurrent_backward_segmented import launch_segmented_backward, segment_plan
+
+    plan = segment_plan(q.shape[0], q.shape[1], cu_seqlens, segment_tokens, workspace)
+    if plan is None:
+        return launch_recurrent_backward(q, k, v, g, beta, do, dht, cu_seqlens=cu_seqlens, workspace=workspace,
+                                         out=out, **kw)
+    return launch_segmented_backward(q, k, v, g, beta, do, dht, plan=plan, cu_seqlens=cu_seqlens,
+                                     workspace=workspace, out=out, **kw)
+
+
+def grad_outputs(q, k, v, g, beta, A_log, dt_bias, initial_state, out) -> KDAGrads:
     """The eight gradient tensors: the caller's (``out``, checked) or new ones."""
     like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     if out is None:
@@ -521,6 +558,7 @@ def recurrent_kda_backward(
     cu_seqlens: torch.Tensor | None = None,
     workspace: Workspace | None = None,
     out=None,
+    segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
 ) -> KDAGrads:
     r"""All eight gradients of recurrent KDA (the forward of ``kdakit.fused_recurrent_kda``).
 
@@ -534,6 +572,10 @@ def recurrent_kda_backward(
         out: optional sequence of 8 preallocated gradients in ``KDAGrads`` order, each
             contiguous with its input's shape and dtype, None for an absent input (or to
             allocate that one).
+        segment_tokens: when every sequence has at most this many tokens, one pass over
+            the whole input (scratch grows with B*T); otherwise the sequences are split into
+            segments of this many tokens, recomputed from state checkpoints, and the scratch
+            scales with N * segment_tokens (see this module's docstring for the bytes).
 
     Returns ``KDAGrads(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)`` in the inputs'
     dtypes; ``dA_log``, ``ddt_bias`` and ``dh0`` are None when their input is None, and
@@ -542,9 +584,12 @@ def recurrent_kda_backward(
 
     Any T >= 1 (and zero-length varlen sequences), N, H, HV. Bitwise deterministic.
     CUDA graphs: see ``kdakit/ops/kda/workspace.py`` (pass ``out`` with all gradients
-    and one workspace; make one eager warm call first). Scratch memory: see this module's
-    docstring (grows with B*T; use ``chunk_kda`` for long sequences).
+    and one workspace; make one eager warm call first). The segmented path is capturable
+    too: its gather buffers and checkpoints are workspace buffers sized by the warm call,
+    and with ``cu_seqlens`` its segment plan is read on the host by the warm call and
+    reused by the capture, so replays assume the warm call's ``cu_seqlens`` values.
     """
+    check_segment_tokens(segment_tokens)
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     backend = select_backend(device)
     opts = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
@@ -555,7 +600,7 @@ def recurrent_kda_backward(
         ws = resolve_workspace(workspace, device)
         signature = call_signature("recurrent_kda_backward", q, k, v, g, beta, do, dht, A_log, dt_bias,
                                    initial_state, cu_seqlens, scale, safe_gate, tuple(sorted(opts.items())),
-                                   tuple(out) if isinstance(out, (list, tuple)) else out)
+                                   tuple(out) if isinstance(out, (list, tuple)) else out, segment_tokens)
         prepared = check_prepared_for_capture(ws, signature, "recurrent_kda_backward")
         if prepared and (out is None or any(
                 o is None for o, x in zip(out, (q, k, v, g, beta, A_log, dt_bias, initial_state)) if x is not None)):
@@ -584,9 +629,10 @@ def recurrent_kda_backward(
                                 "initial_state": initial_state, "A_log": A_log, "dt_bias": dt_bias,
                                 "cu_seqlens": cu_seqlens})
     gate_args = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
-    grads = launch_recurrent_backward(
+    grads = run_recurrent_backward(
         q, k, v, g, beta, do, dht, A_log=gate_args[0], dt_bias=gate_args[1], initial_state=initial_state,
-        cu_seqlens=cu_seqlens, workspace=ws, out=_kernel_out(out, use_gate_in_kernel), **opts,
+        cu_seqlens=cu_seqlens, workspace=ws, out=_kernel_out(out, use_gate_in_kernel),
+        segment_tokens=segment_tokens, **opts,
     )
     grads = _fill_unused_params(grads, A_log, dt_bias, out, use_gate_in_kernel)
     if not prepared:

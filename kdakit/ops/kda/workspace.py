@@ -20,6 +20,13 @@ CUDA graphs (``torch.cuda.CUDAGraph``):
    synchronization.
 4. Replays run the same kernels on the same buffers, so they give the eager call's bits.
 
+Some calls derive a launch plan from host data (the segmented recurrent backward reads
+``cu_seqlens`` on the host). The eager warm call stores that plan in the workspace
+(``remember_plan``) and the capture reuses it (``recall_plan``), so the capture does not
+read the device; replays therefore assume the values of ``cu_seqlens`` are those of the
+warm call. A plan used by a capture is kept for the workspace's life (its device tensors
+are read by every replay).
+
 A workspace used by a graph must outlive the graph, and must not be shared by work
 that runs concurrently on two streams (its buffers would race).
 """
@@ -34,6 +41,8 @@ import torch
 
 # How many call signatures a workspace remembers for graph capture (least recently used go first).
 MAX_PREPARED_SIGNATURES = 256
+# How many host-derived launch plans a workspace keeps for eager reuse (plans a capture used are kept apart).
+MAX_PLANS = 64
 
 
 def is_capturing(device: torch.device) -> bool:
@@ -59,6 +68,8 @@ class Workspace:
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
         self._prepared: OrderedDict[tuple, None] = OrderedDict()
+        self._plans: OrderedDict[tuple, object] = OrderedDict()
+        self._graph_plans: list = []
 
     def __repr__(self) -> str:
         return f"Workspace(device={self.device}, buffers={len(self._buffers)}, nbytes={self.nbytes})"
@@ -95,6 +106,20 @@ class Workspace:
 
     def is_prepared(self, signature: tuple) -> bool:
         return signature in self._prepared
+
+    def remember_plan(self, key: tuple, plan) -> None:
+        """Keep a launch plan derived from host data under ``key`` (eager calls only)."""
+        self._plans[key] = plan
+        self._plans.move_to_end(key)
+        while len(self._plans) > MAX_PLANS:
+            self._plans.popitem(last=False)
+
+    def recall_plan(self, key: tuple):
+        """The plan remembered under ``key``, or None. During capture the plan is kept for good."""
+        plan = self._plans.get(key)
+        if plan is not None and is_capturing(self.device) and not any(p is plan for p in self._graph_plans):
+            self._graph_plans.append(plan)
+        return plan
 
 
 _STREAM_LOCAL: dict[tuple, Workspace] = {}
