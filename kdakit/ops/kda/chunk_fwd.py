@@ -84,7 +84,7 @@ from kdakit.ops.kda.chunk_common import (
     store_rows,
     unit_lower_inverse_doubling,
 )
-from kdakit.ops.kda.plan import CHUNK_SIZE, KDAPlan, checkpoint_offsets, forward_chunk_table, plan_kda
+from kdakit.ops.kda.plan import CHUNK_SIZE, KDAPlan, forward_chunk_table, plan_kda
 
 MAX_HEAD_DIM = 128
 EXACT_KEY_SLICE = 16  # BKS: [C, C, BKS] fp32 per pairwise slice stays at 16 registers a thread
@@ -404,6 +404,7 @@ def chunk_kda_fwd(
     cu_seqlens: torch.Tensor | None = None,
     plan: KDAPlan | None = None,
     save_checkpoints: bool = True,
+    ckpt_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Run the chunked KDA forward kernels on validated inputs.
 
@@ -415,7 +416,9 @@ def chunk_kda_fwd(
     Returns ``o`` ``[B, T, HV, V]`` in v's dtype, the final state (fp32, requested layout)
     or None, and the checkpoints fp32 ``[plan.num_checkpoints, HV, K, V]`` or None (see
     ``plan.checkpoint_offsets`` for their rows). ``plan`` defaults to ``plan_kda`` of the
-    shapes (it fixes the checkpoint cadence and the V block). Allocates, in this order, what
+    shapes (it fixes the checkpoint cadence and the V block). ``ckpt_offsets`` (int64
+    ``[N + 1]`` on the device, ``plan.checkpoint_offsets``) is made here when not given; a caller
+    that also runs the backward passes its own so one tensor serves both. Allocates, in this order, what
     ``plan.allocations`` lists for the forward; the intra-chunk temporaries are freed on return.
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
@@ -450,7 +453,7 @@ def chunk_kda_fwd(
         final = torch.empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32, device=dev)
     ckpts = offsets = None
     if save_checkpoints:
-        offsets = checkpoint_offsets(cu_seqlens, B=B, T=T, every_n_tokens=L, device=dev)
+        offsets = ckpt_offsets if ckpt_offsets is not None else plan.checkpoint_offsets(dev)
         ckpts = torch.empty((plan.num_checkpoints, HV, K, V), dtype=torch.float32, device=dev)
     if N * HV == 0 or T == 0:
         if final is not None:

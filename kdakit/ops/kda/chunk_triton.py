@@ -14,7 +14,7 @@ import torch
 
 from kdakit.ops.kda.chunk_bwd import chunk_kda_bwd
 from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd
-from kdakit.ops.kda.plan import checkpoint_offsets, plan_kda
+from kdakit.ops.kda.plan import plan_kda
 
 _FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
           "safe_gate", "lower_bound", "state_v_first")
@@ -28,12 +28,12 @@ class ChunkKDATritonFunction(torch.autograd.Function):
                         initial_state=initial_state is not None,
                         initial_state_dtype=initial_state.dtype if initial_state is not None else torch.float32,
                         output_final_state=output_final_state, gate_params=A_log is not None)
+        # One offsets tensor, from the planned lengths (no device read), serves forward and backward.
+        offsets = plan.checkpoint_offsets(q.device)
         o, final, ckpts = chunk_kda_fwd(
             q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, plan=plan, **flags)
-        # Saved once here so the backward needs no host sync to locate each sequence's checkpoints.
-        offsets = checkpoint_offsets(cu_seqlens, B=q.shape[0], T=q.shape[1],
-                                     every_n_tokens=plan.checkpoint_every_n_tokens, device=q.device)
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, plan=plan, ckpt_offsets=offsets,
+            **flags)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ckpts, offsets)
         ctx.plan, ctx.scale, ctx.flags = plan, scale, flags
         return o, final

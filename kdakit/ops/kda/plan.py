@@ -131,6 +131,11 @@ class KDAPlan:
     def workspace_bytes(self) -> int:
         return self.backward_workspace_bytes
 
+    def checkpoint_offsets(self, device=None) -> torch.Tensor:
+        """Row offsets of each sequence's checkpoints (int64 ``[N + 1]``) from the planned lengths:
+        no read of ``cu_seqlens`` on the device."""
+        return _offsets_tensor(self.seqlens, self.checkpoint_every_n_tokens, device)
+
     def bytes_by_group(self) -> dict[str, int]:
         out = {g: 0 for g in GROUPS}
         for a in self.allocations:
@@ -170,12 +175,15 @@ def checkpoint_offsets(cu_seqlens=None, *, B: int | None = None, T: int | None =
     if cu_seqlens is None and (B is None or T is None):
         raise ValueError("checkpoint_offsets needs cu_seqlens or both B and T, got neither")
     _check_cadence(every_n_tokens)
-    counts = checkpoint_counts(sequence_lengths(B or 1, T or 0, cu_seqlens), every_n_tokens)
-    offs = [0]
-    for c in counts:
-        offs.append(offs[-1] + c)
     if device is None and isinstance(cu_seqlens, torch.Tensor):
         device = cu_seqlens.device
+    return _offsets_tensor(sequence_lengths(B or 1, T or 0, cu_seqlens), every_n_tokens, device)
+
+
+def _offsets_tensor(lengths: Sequence[int], every_n_tokens: int, device) -> torch.Tensor:
+    offs = [0]
+    for c in checkpoint_counts(lengths, every_n_tokens):
+        offs.append(offs[-1] + c)
     return torch.tensor(offs, dtype=torch.int64, device=device)
 
 
