@@ -28,9 +28,6 @@ import torch
 SHAPES = "1x8192:96,8x8192:16,1x8192:128,1x131072:96"
 COPY_BW = 4.3e12     # bytes/s, measured device-to-device copy on the H200 (SPEC §7)
 MATMUL_RATE = 790e12  # FLOP/s, measured bf16 8192^3 matmul on the H200 (SPEC §7)
-LIMITS = {"o": 0.005, "final_state": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dA_log": 0.008,
-          "ddt_bias": 0.008, "dinitial_state": 0.008, "dg": 0.02, "dbeta": 0.02}
-
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     out = []
@@ -57,14 +54,13 @@ def time_floors_ms(mbs: int, seq: int, heads: int, d: int = 128, chunk: int = 64
 def correctness_gate(T: int = 2048, H: int = 4, seed: int = 0) -> dict:
     """kdakit's Triton path (bf16, SPEC §3 flags plus states) against the float64 chunked reference."""
     from kdakit import chunk_kda
-    from kdakit.testing import error_report, make_kda_inputs, run_kda
+    from kdakit.testing import SPEC_RMS_LIMITS, error_report, float64_copy, make_kda_inputs, run_kda
 
     inp = make_kda_inputs(T=T, H=H, HV=H, K=128, V=128, dtype=torch.bfloat16, device="cuda", gate="safe",
                           seqlens=[T // 4, T // 2 + 5, T // 4 - 5], initial_state="kv",
                           generator=torch.Generator().manual_seed(seed))
     got = run_kda(chunk_kda, inp, seed=seed)
-    ref_inp = {"tensors": {n: x.detach().double().requires_grad_() for n, x in inp["tensors"].items()},
-               "kwargs": inp["kwargs"]}
+    ref_inp = float64_copy(inp)
 
     def ref_fn(*a, **kw):
         os.environ["KDAKIT_BACKEND"] = "torch"
@@ -75,7 +71,7 @@ def correctness_gate(T: int = 2048, H: int = 4, seed: int = 0) -> dict:
 
     ref = run_kda(ref_fn, ref_inp, seed=seed)
     rows = {}
-    for name, lim in LIMITS.items():
+    for name, lim in SPEC_RMS_LIMITS.items():
         rep = error_report(name, ref[name], got[name])
         rows[name] = {"max_abs": rep.max_abs, "rms_ratio": rep.rms_ratio, "limit": lim, "ok": rep.rms_ratio <= lim}
     return {"shape": f"T={T} (3 packed sequences) H={H} K=V=128 bf16", "errors": rows,

@@ -144,3 +144,47 @@ def run_kda(fn, inputs: dict, *, seed: int | None = None, **extra) -> dict:
     for n, gr in zip(t, grads):
         res["d" + n] = gr
     return res
+
+
+# SPEC-level accuracy of 16-bit inputs against the float64 definition (RMS error ratio), keyed
+# by ``run_kda``'s names.
+SPEC_RMS_LIMITS = {
+    "o": 0.005, "final_state": 0.005,
+    "dq": 0.008, "dk": 0.008, "dv": 0.008, "dA_log": 0.008, "ddt_bias": 0.008, "dinitial_state": 0.008,
+    "dg": 0.02, "dbeta": 0.02,
+}
+
+
+def float64_copy(inputs: dict) -> dict:
+    """The same inputs as fresh float64 leaves (the reference's precision), same options."""
+    return {"tensors": {n: x.detach().double().requires_grad_() for n, x in inputs["tensors"].items()},
+            "kwargs": inputs["kwargs"]}
+
+
+def compare_with_naive(fn, inputs: dict, limits, *, seed: int | None = None, **extra) -> dict:
+    """Run ``fn`` and ``naive_recurrent_kda`` (on float64 copies of non-float64 inputs)
+    forward+backward with the same cotangents; fail unless every output and gradient is within its RMS-ratio limit and every
+    gradient has its input's dtype.
+
+    ``limits``: one float for all, or a name -> limit map covering every output. Returns
+    ``fn``'s results (``run_kda``'s dict).
+    """
+    from kdakit.ops.kda.naive import naive_recurrent_kda
+
+    # float64 tokens are already the reference precision: the reference then sees the very same
+    # leaves (a bf16 initial state stays bf16, so both sides round its gradient alike).
+    exact = inputs["tensors"]["q"].dtype == torch.float64
+    ref = run_kda(naive_recurrent_kda, inputs if exact else float64_copy(inputs), seed=seed)
+    got = run_kda(fn, inputs, seed=seed, **extra)
+    if set(ref) != set(got):
+        raise AssertionError(f"outputs differ: reference {sorted(ref)}, got {sorted(got)}")
+    for name in ref:
+        if ref[name] is None:
+            if got[name] is not None:
+                raise AssertionError(f"{name}: the reference has no gradient, got one")
+            continue
+        leaf = inputs["tensors"].get(name[1:]) if name.startswith("d") else None
+        if leaf is not None and got[name].dtype != leaf.dtype:
+            raise AssertionError(f"{name} has dtype {got[name].dtype}, its input {leaf.dtype}")
+        assert_close(name, ref[name], got[name], limits if isinstance(limits, float) else limits[name])
+    return got

@@ -7,21 +7,13 @@ import torch
 
 from kdakit import chunk_kda, naive_recurrent_kda
 from kdakit.ops.kda.chunk_reference import chunked_kda_reference
-from kdakit.testing import assert_close, make_kda_inputs, run_kda
+from kdakit.testing import SPEC_RMS_LIMITS, assert_close, compare_with_naive, make_kda_inputs
 
 EXACT = 1e-10  # relative RMS in float64 (issue 2: all gradients to <= 1e-10)
 
 
 def _compare(inputs, ratio=EXACT, **extra):
-    ref = run_kda(naive_recurrent_kda, inputs)
-    got = run_kda(chunk_kda, inputs, **extra)
-    assert set(ref) == set(got)
-    for name in ref:
-        if ref[name] is None:
-            assert got[name] is None, name
-            continue
-        assert_close(name, ref[name], got[name], ratio)
-    return got
+    return compare_with_naive(chunk_kda, inputs, ratio, **extra)
 
 
 # Every gate x l2norm x beta transform, with GVA, initial/final state and uneven varlen.
@@ -77,15 +69,7 @@ def test_strong_softplus_gate_stays_exact():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_inputs_meet_spec_accuracy(dtype):
     inp = make_kda_inputs(T=96, H=2, HV=4, K=32, V=32, gate="safe", dtype=dtype, initial_state="kv")
-    ref_inp = {"tensors": {n: x.detach().double().requires_grad_() for n, x in inp["tensors"].items()},
-               "kwargs": inp["kwargs"]}
-    ref = run_kda(naive_recurrent_kda, ref_inp)
-    got = run_kda(chunk_kda, inp)
-    limits = {"o": 0.005, "final_state": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dA_log": 0.008,
-              "ddt_bias": 0.008, "dinitial_state": 0.008, "dg": 0.02, "dbeta": 0.02}
-    for name, lim in limits.items():
-        assert got[name].dtype == (inp["tensors"][name[1:]].dtype if name.startswith("d") else got[name].dtype)
-        assert_close(name, ref[name], got[name], lim)
+    got = compare_with_naive(chunk_kda, inp, SPEC_RMS_LIMITS)
     assert got["o"].dtype == dtype and got["final_state"].dtype == torch.float32
 
 

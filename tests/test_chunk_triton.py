@@ -4,9 +4,9 @@ the foundation's option matrix against the float64 naive definition, fp32 inputs
 import pytest
 import torch
 
-from kdakit import chunk_kda, naive_recurrent_kda
+from kdakit import chunk_kda
 from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.testing import assert_close, make_kda_inputs, run_kda
+from kdakit.testing import SPEC_RMS_LIMITS, compare_with_naive, make_kda_inputs, run_kda
 
 pytestmark = pytest.mark.skipif(not triton_interpreting() and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 (CPU tier) or a CUDA device")
@@ -19,15 +19,8 @@ def _triton_backend(monkeypatch):
 
 
 def _compare(inp, limit=FP32_LIMIT, overrides=None, **extra):
-    ref_inp = {"tensors": {n: x.detach().double().requires_grad_() for n, x in inp["tensors"].items()},
-               "kwargs": inp["kwargs"]}
-    ref = run_kda(naive_recurrent_kda, ref_inp)
-    got = run_kda(chunk_kda, inp, **extra)
-    assert set(ref) == set(got)
-    for name in ref:
-        assert got[name].dtype == (inp["tensors"][name[1:]].dtype if name.startswith("d") and name[1:] in inp["tensors"]
-                                   else got[name].dtype)
-        assert_close(name, ref[name], got[name], (overrides or {}).get(name, limit))
+    limits = {n: (overrides or {}).get(n, limit) for n in SPEC_RMS_LIMITS}
+    return compare_with_naive(chunk_kda, inp, limits, **extra)
 
 
 @pytest.mark.parametrize("gate", ["none", "softplus", "safe", "safe_no_alog"])
@@ -64,14 +57,7 @@ def test_reset_level_decays():
 def test_bf16_inputs_meet_spec_accuracy():
     inp = make_kda_inputs(T=48, H=1, HV=2, K=32, V=32, dtype=torch.bfloat16, gate="safe", seqlens=[20, 28],
                           initial_state="kv")
-    ref_inp = {"tensors": {n: x.detach().double().requires_grad_() for n, x in inp["tensors"].items()},
-               "kwargs": inp["kwargs"]}
-    ref = run_kda(naive_recurrent_kda, ref_inp)
-    got = run_kda(chunk_kda, inp)
-    limits = {"o": 0.005, "final_state": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dA_log": 0.008,
-              "ddt_bias": 0.008, "dinitial_state": 0.008, "dg": 0.02, "dbeta": 0.02}
-    for name, lim in limits.items():
-        assert_close(name, ref[name], got[name], lim)
+    compare_with_naive(chunk_kda, inp, SPEC_RMS_LIMITS)
 
 
 def test_float64_is_refused_on_the_triton_backend():
