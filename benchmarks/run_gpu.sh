@@ -2,15 +2,17 @@
 # The GPU tier and the benchmarks in one go, on the H200 (device tool), results under $OUT.
 #
 #   bash benchmarks/run_gpu.sh [STAGE ...]   stages, in priority order:
-#       env chunk windowed recurrent tests fla        (default: all; also: profile flawarm)
+#       env chunk windowed recurrent tests fla        (default: all; also: profile tunecompile tune flawarm wait)
 #   chunk     correctness gate + kdakit at the four SPEC §3 shapes (bench_chunk.py)
 #   windowed  the same with the windowed backward (KDAKIT_CHUNK_BACKWARD=windowed)
 #   recurrent decode and recurrent fwd+bwd benchmark (bench_recurrent.py)
 #   tests     the GPU test tier (tests marked gpu)
 #   fla       FLA 0.6.0 at SPEC shapes in the same run (FLA_SHAPES; autotuning takes minutes)
 #   profile   per-kernel CUDA time of kdakit's forward and both backwards (profile_chunk.py, PROFILE_SHAPES)
-#   flawarm   FLA's autotuning only, one process per head count of FLA_SHAPES side by side (16 CPU cores
-#             compile in parallel); its times are discarded, only the tuned configs are kept
+#   tune      launch-config sweep of the windowed backward (tune_windowed.py); tunecompile only
+#             compiles its variants (parallel processes), e.g. while flawarm runs
+#   flawarm   FLA's autotuning only, in the background, one process per head count of FLA_SHAPES;
+#             its times are discarded, only the tuned configs are kept; `wait` joins it
 # Each stage has a wall-clock limit (STAGE_LIMIT_<stage>, seconds) so the whole call fits the
 # device's 10-minute command limit and every stage's file is written even if a later one is cut.
 # FLA 0.6.0 travels as a wheel in .whl/ (pure Python; einops is on the machine).
@@ -51,9 +53,36 @@ print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version_
 PY
 fi
 
+if has flawarm; then
+    # In the background, so kdakit's compiles (CPU) can share the machine's 16 cores; the stage
+    # `wait` (or the script's end) joins it before anything is timed. Autotune keys hold head
+    # counts, not T, so a 2K-token warm-up tunes every shape of that head count.
+    heads=$(echo "$FLA_SHAPES" | tr ',' '\n' | cut -d: -f2 | sort -u)
+    for h in $heads; do
+        timeout "${STAGE_LIMIT_flawarm:-300}" python3 -m kdakit.memory.measure_worker --backend fla --mbs 1 \
+            --seq 2048 --heads "$h" --reps 1 --timing-runs 1 --warmup-iters 0 >"$OUT/flawarm_$h.log" 2>&1 &
+    done
+fi
+
+if has tunecompile; then
+    timeout "${STAGE_LIMIT_tunecompile:-200}" python3 benchmarks/tune_windowed.py --compile-all --out /dev/null \
+        2>&1 | tail -n 20
+fi
+
+if has wait; then
+    wait
+    has flawarm && tail -n 2 "$OUT"/flawarm_*.log
+fi
+
 if has profile; then
     timeout "${STAGE_LIMIT_profile:-150}" python3 benchmarks/profile_chunk.py --shapes "${PROFILE_SHAPES:-1x8192:96}" \
         --out "$OUT/profile.json" 2>&1 | tee -a "$OUT/run.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+
+if has tune; then
+    timeout "${STAGE_LIMIT_tune:-300}" python3 benchmarks/tune_windowed.py --out "$OUT/tune_windowed.json" 2>&1 \
+        | tee -a "$OUT/run.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 
@@ -87,15 +116,6 @@ if has fla; then
         --cell-timeout "${STAGE_LIMIT_fla:-240}" --out "$OUT/chunk_fla.json" 2>&1 | tee -a "$OUT/run.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
-if has flawarm; then
-    # Autotune keys hold head counts, not T, so a 2K-token warm-up tunes every shape of that head count.
-    heads=$(echo "$FLA_SHAPES" | tr ',' '\n' | cut -d: -f2 | sort -u)
-    for h in $heads; do
-        timeout "${STAGE_LIMIT_flawarm:-300}" python3 -m kdakit.memory.measure_worker --backend fla --mbs 1 \
-            --seq 2048 --heads "$h" --reps 1 --timing-runs 1 --warmup-iters 0 >"$OUT/flawarm_$h.log" 2>&1 &
-    done
-    wait
-    tail -n 3 "$OUT"/flawarm_*.log
-fi
+wait
 (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" | tar czf "$OUT/triton_autotune.tgz" -T -)
 exit $rc

@@ -460,7 +460,13 @@ def chunk_kda_bwd_window_grads_kernel(
 # as its left operand is held whole by every warp.
 GRADS_BLOCK_V = 32
 GRADS_NUM_WARPS = 4
+GRADS_NUM_STAGES = 1
 STATE_NUM_WARPS = 4  # the sequential stages (one [K, BV] state tile, BV = state_block_v)
+# Tuning overrides of the sequential stages' value block (None: state_block_v's one-wave rule);
+# benchmarks/tune_windowed.py sweeps them with the constants above.
+STARTS_BLOCK_V: int | None = None
+STATES_BLOCK_V: int | None = None
+STARTS_NUM_WARPS: int | None = None  # None: STATE_NUM_WARPS
 
 
 def default_stage_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -547,7 +553,8 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
     n_win = -(-max_len // L2)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
     BK, BVG = block_size(K), min(block_size(V), GRADS_BLOCK_V)
-    BV1, BV2 = state_block_v(items, V, sms), state_block_v(2 * items, V, sms)
+    BV1 = STARTS_BLOCK_V or state_block_v(items, V, sms)
+    BV2 = STATES_BLOCK_V or state_block_v(2 * items, V, sms)
     dummy = carry
     cu = cu_seqlens if cu_seqlens is not None else ckpt_offsets
     a_ptr = A_log if consts["HAS_A"] else dummy
@@ -564,7 +571,7 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
                 k, v, g, beta, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr, ws_win,
                 seg, lower_bound, T, H, HV, K, V,
                 GROUP=HV // H, C=C, BK=BK, BV=BV1, SEG_CHUNKS=L // C, SUB_CHUNKS=sub, N_SUB=n_sub, **seq,
-                num_warps=STATE_NUM_WARPS, num_stages=1)
+                num_warps=STARTS_NUM_WARPS or STATE_NUM_WARPS, num_stages=1)
         LAST_LAUNCH["window_states"] = chunk_kda_bwd_window_states_kernel[(items, triton.cdiv(V, BV2), 2)](
             q, k, v, g, beta, do, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr,
             ws_win if ws_win is not None else dummy, ws_s, ws_ds, carry,
@@ -577,7 +584,7 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
             ddt_part if ddt_part is not None else dummy,
             win, scale, lower_bound, T, H, HV, K, V,
             C=C, BK=BK, BV=BVG, SUB_CHUNKS=sub, GROUP=HV // H, **seq, GRAD_PREC=grad_prec,
-            num_warps=GRADS_NUM_WARPS, num_stages=1)
+            num_warps=GRADS_NUM_WARPS, num_stages=GRADS_NUM_STAGES)
     del ws_win, ws_s, ws_ds, carry
     return dq, dk, dv, dg, dbeta, dA_part, ddt_part, dh0
 
