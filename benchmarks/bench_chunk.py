@@ -98,7 +98,6 @@ def main(argv=None) -> int:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "git_sha": sha,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "chunk_backward": os.environ.get("KDAKIT_CHUNK_BACKWARD") or "streaming",
         "protocol": "SPEC §3: bf16, D=128, l2norm + beta sigmoid + safe gate (lb -5) in kernel, cu_seqlens, "
                     "no states, 7 inputs differentiated; median of 3 fwd+bwd peaks; fresh process per cell",
     }

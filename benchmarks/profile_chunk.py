@@ -1,11 +1,10 @@
 """Per-kernel CUDA time of kdakit's chunk forward and backward (torch.profiler), on the GPU.
 
-Answers "which kernel owns the time" before tuning: for each shape and each backward algorithm,
-one warm-up step then ``--steps`` profiled forward+backward steps with the SPEC §3 flags (bf16,
+Answers "which kernel owns the time" before tuning: for each shape, one warm-up step then ``--steps`` profiled forward+backward steps with the SPEC §3 flags (bf16,
 K = V = 128, l2norm, beta sigmoid, safe gate lb -5, cu_seqlens). Prints and writes a table of
 kernel name, calls per step and CUDA milliseconds per step.
 
-Usage: python benchmarks/profile_chunk.py --out prof.json [--shapes 1x8192:96] [--algorithms streaming,windowed]
+Usage: python benchmarks/profile_chunk.py --out prof.json [--shapes 1x8192:96]
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ def step(x, A_log, dt_bias, cu, do):
     o.backward(do)
 
 
-def profile_one(mbs, seq, heads, algorithm, steps):
-    os.environ["KDAKIT_CHUNK_BACKWARD"] = algorithm
+def profile_one(mbs, seq, heads, steps):
     x, A_log, dt_bias, cu, do = protocol_inputs(mbs, seq, heads)
     step(x, A_log, dt_bias, cu, do)  # compile and warm up
     torch.cuda.synchronize()
@@ -72,7 +70,7 @@ def profile_one(mbs, seq, heads, algorithm, steps):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     times.sort()
-    return {"shape": f"{mbs}x{seq}:{heads}", "algorithm": algorithm, "steps": steps,
+    return {"shape": f"{mbs}x{seq}:{heads}", "steps": steps,
             "fwd_bwd_ms_median": times[len(times) // 2],
             "kernel_ms_sum": sum(r["ms_per_step"] for r in rows), "kernels": rows}
 
@@ -81,26 +79,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="1x8192:96")
-    ap.add_argument("--algorithms", default="windowed,streaming")
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args(argv)
     results = []
     for mbs, seq, heads in parse_shapes(args.shapes):
-        for algo in args.algorithms.split(","):
-            try:
-                res = profile_one(mbs, seq, heads, algo, args.steps)
-            except Exception as e:  # keep the other cells' figures; the error is the result of this one
-                res = {"shape": f"{mbs}x{seq}:{heads}", "algorithm": algo, "error": repr(e)[:2000]}
-            results.append(res)
-            print(f"== {res['shape']} backward={algo}: "
-                  + (f"step {res['fwd_bwd_ms_median']:.2f} ms, kernels {res['kernel_ms_sum']:.2f} ms"
-                     if "error" not in res else res["error"]), flush=True)
-            for r in res.get("kernels", [])[:14]:
-                print(f"  {r['ms_per_step']:9.3f} ms  x{r['calls_per_step']:<6g} {r['kernel'][:90]}", flush=True)
-            with open(args.out, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("KDAKIT_GIT_SHA", "unknown"),
-                           "results": results}, f, indent=1)
-            torch.cuda.empty_cache()
+        try:
+            res = profile_one(mbs, seq, heads, args.steps)
+        except Exception as e:  # keep the other shapes' figures; the error is the result of this one
+            res = {"shape": f"{mbs}x{seq}:{heads}", "error": repr(e)[:2000]}
+        results.append(res)
+        print(f"== {res['shape']}: " + (f"step {res['fwd_bwd_ms_median']:.2f} ms, kernels {res['kernel_ms_sum']:.2f} ms"
+                                      if "error" not in res else res["error"]), flush=True)
+        for r in res.get("kernels", [])[:14]:
+            print(f"  {r['ms_per_step']:9.3f} ms  x{r['calls_per_step']:<6g} {r['kernel'][:90]}", flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("KDAKIT_GIT_SHA", "unknown"),
+                       "results": results}, f, indent=1)
+        torch.cuda.empty_cache()
     return 0
 
 

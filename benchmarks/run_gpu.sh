@@ -2,13 +2,12 @@
 # The GPU tier and the benchmarks in one go, on the H200 (device tool), results under $OUT.
 #
 #   bash benchmarks/run_gpu.sh [STAGE ...]   stages, in priority order:
-#       env chunk windowed recurrent tests fla        (default: all; also: profile tunecompile tune flawarm wait)
+#       env chunk recurrent tests fla        (default: all; also: profile tunecompile tune flawarm wait)
 #   chunk     correctness gate + kdakit at the four SPEC §3 shapes (bench_chunk.py)
-#   windowed  the same with the windowed backward (KDAKIT_CHUNK_BACKWARD=windowed)
 #   recurrent decode and recurrent fwd+bwd benchmark (bench_recurrent.py)
 #   tests     the GPU test tier (tests marked gpu)
 #   fla       FLA 0.6.0 at SPEC shapes in the same run (FLA_SHAPES; autotuning takes minutes)
-#   profile   per-kernel CUDA time of kdakit's forward and both backwards (profile_chunk.py, PROFILE_SHAPES)
+#   profile   per-kernel CUDA time of kdakit's forward and backward (profile_chunk.py, PROFILE_SHAPES)
 #   tune      launch-config sweep of the windowed backward (tune_windowed.py); tunecompile only
 #             compiles its variants (parallel processes), e.g. while flawarm runs
 #   flawarm   FLA's autotuning only, in the background, one process per head count of FLA_SHAPES;
@@ -24,7 +23,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env chunk windowed recurrent tests fla)
+[ ${#stages[@]} -eq 0 ] && stages=(env chunk recurrent tests fla)
 has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -89,13 +88,6 @@ fi
 if has chunk; then
     timeout "${STAGE_LIMIT_chunk:-240}" python3 benchmarks/bench_chunk.py --backends kdakit --shapes "$SHAPES" \
         --cell-timeout 120 --out "$OUT/chunk_kdakit.json" 2>&1 | tee -a "$OUT/run.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-fi
-
-if has windowed; then
-    KDAKIT_CHUNK_BACKWARD=windowed timeout "${STAGE_LIMIT_windowed:-240}" python3 benchmarks/bench_chunk.py \
-        --backends kdakit --shapes "$SHAPES" --cell-timeout 120 --out "$OUT/chunk_kdakit_windowed.json" \
-        2>&1 | tee -a "$OUT/run.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 

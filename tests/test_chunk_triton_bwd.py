@@ -6,9 +6,7 @@
 2. ``chunk_kda_bwd`` (Triton, under ``TRITON_INTERPRET=1``) must match that twin on fp32 inputs
    (and, through it, autograd). Checkpoints come from the twin's forward, so the backward is tested
    on its own. Cadences are tiny (checkpoint every 32 to 96 tokens, windows of 16 or 32) so
-   sequences span several checkpoint segments and several windows per segment. Both algorithms
-   run: 'windowed' everywhere here, 'streaming' (the default, measured on the H200) on a subset here
-   and through the public op in ``tests/test_chunk_triton.py``.
+   sequences span several checkpoint segments and several windows per segment.
 3. ``backward_workspace_allocations`` must list exactly what the windowed launcher allocates.
 """
 
@@ -156,7 +154,7 @@ def test_state_gradient_recurrence_is_state_free(exact):
     assert_close("dS[:, :2]", want[:, :2], chunk_state_grad(q, k, a, b, dO[:, :2], dSn[:, :2], 0.3, exact), 1e-12)
 
 
-def _kernel_call(c, ckpts, safe, L=L_CKPT, L2=L_RECOMPUTE, offsets=None, algorithm="windowed", **extra):
+def _kernel_call(c, ckpts, safe, L=L_CKPT, L2=L_RECOMPUTE, offsets=None, **extra):
     from kdakit.ops.kda.chunk_bwd import chunk_kda_bwd
     from kdakit.ops.kda.plan import plan_kda
 
@@ -170,7 +168,7 @@ def _kernel_call(c, ckpts, safe, L=L_CKPT, L2=L_RECOMPUTE, offsets=None, algorit
     plan = replace(plan, recompute_every_n_tokens=L2)
     return chunk_kda_bwd(f32["q"], f32["k"], f32["v"], f32["g"], f32["beta"], f32["do"], f32["dht"],
                          checkpoints=ckpts.float().contiguous(), initial_state=f32["h0"], safe_gate=safe,
-                         plan=plan, ckpt_offsets=offsets, algorithm=algorithm, **kw, **extra)
+                         plan=plan, ckpt_offsets=offsets, **kw, **extra)
 
 
 KERNEL_CASES = {
@@ -199,16 +197,6 @@ def test_kernel_matches_autograd(name):
         assert got[n].shape == ref[n].shape, n
         assert_close(n, ref[n], got[n], 1e-4)
         assert_close(n + " vs twin", twin[n], got[n], 1e-4)
-
-
-def test_kernel_persistent_grid_and_cadences():
-    """Streaming: fewer programs than (sequence, head) items, and segments of several sub-segments."""
-    c = _case(gate=True, lower_bound=-5.0, l2=True, bsig=True, H=1, HV=2, lens=[23, 0, 40, 5], h0=True, seed=2)
-    _, ckpts = _twin(c, True)
-    ref = _autograd(c)
-    got = dict(zip(NAMES, _kernel_call(c, ckpts, True, max_programs=3, algorithm="streaming")))
-    for n in ref:
-        assert_close(n, ref[n], got[n], 1e-4)
 
 
 def _checkpoints(c, safe, L):
@@ -369,7 +357,7 @@ def build(fn, const, warps):
 
 
 c = dict(C=16, BK=128, GATE=2, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA_SIGMOID=True, NEG_EIGVAL=False,
-         SAFE=True, IS_VARLEN=True, DOT_PREC="tf32", GRAD_PREC="tf32x3", INV_DOUBLING=True, GROUP=1, SUB_CHUNKS=16)
+         SAFE=True, IS_VARLEN=True, DOT_PREC="tf32", INV_DOUBLING=True, GROUP=1, SUB_CHUNKS=16)
 build(M.chunk_kda_bwd_window_states_kernel, dict(c, BV=128, N_SUB=8, ROUND_STAGE=False), M.STATE_NUM_WARPS)
 build(M.chunk_kda_bwd_window_grads_kernel, dict(c, BV=M.GRADS_BLOCK_V), M.GRADS_NUM_WARPS)
 """

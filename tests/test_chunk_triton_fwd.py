@@ -396,8 +396,12 @@ def test_plan_checkpoints_and_workspace_bytes():
     assert p.num_checkpoints == 4
     assert p.checkpoint_bytes == 4 * 96 * 128 * 128 * 4
     assert p.saved_bytes == p.checkpoint_bytes + 512  # + the int64 row offsets
-    per_prog = (2048 // 256) * 128 * 128 * 4 + (256 // 16) * 128 * 128 * 4
-    assert p.backward_workspace_bytes == p.workspace_bytes == 96 * per_prog + 512 + 96 * 128 * 4
+    # windowed backward: parameter partials per (item, chunk of a window), the fp32 state-gradient
+    # carry, fp32 starts of windows 1..7 of a segment, bf16 per-chunk states and state gradients
+    KV = 128 * 128
+    partials = 96 * 16 * 4 + 96 * 16 * 128 * 4
+    ws = partials + 96 * KV * 4 + 96 * 7 * KV * 4 + 2 * 96 * 16 * KV * 2
+    assert p.backward_workspace_bytes == p.workspace_bytes == ws == 151787520
     # The peak is the backward kernel: everything but dA_log and ddt_bias (summed after the
     # workspace is freed) is live then.
     params_grads = 512 + 96 * 128 * 4
@@ -422,9 +426,10 @@ def test_plan_varlen_counts_and_default_cadence():
     p = plan_kda(seqlens=[0, 1, 16, 17, 5000], H=2, HV=4, K=64, V=32)
     assert p.checkpoint_every_n_tokens == 2048
     assert p.num_checkpoints == 0 + 1 + 1 + 1 + 3
-    # fp32 per-value-head dq/dk partials replace bf16 dq/dk during the kernel; dA_log, ddt_bias come later
-    assert p.transient_bytes == 2 * 5034 * 4 * 64 * 4 - 2 * 5034 * 2 * 64 * 2 - 512 - 1024
-    assert p.peak_at == "after allocating bwd_chunk_states"
+    # dq, dk are summed over the GVA group in registers (no partial buffers); dA_log, ddt_bias
+    # (512 + 1024 allocated bytes) come after the peak
+    assert p.transient_bytes == -512 - 1024
+    assert p.peak_at == "after allocating bwd_chunk_state_grads"
     short = plan_kda(seqlens=[40, 3], H=1, K=16)
     assert short.checkpoint_every_n_tokens == 48 == default_checkpoint_tokens(40)
     assert plan_kda(B=2, T=40, H=1, K=16, checkpoint_every_n_tokens=16).num_checkpoints == 6
@@ -536,4 +541,4 @@ def test_plan_events_replay_to_the_peak():
             cur -= size[name]
         peak = max(peak, cur)
     assert peak == p.predicted_peak_bytes
-    assert "checkpoints" in live and "bwd_segment_states" not in live and "bwd_dq_partials" not in live
+    assert "checkpoints" in live and "bwd_chunk_states" not in live and "bwd_chunk_state_grads" not in live

@@ -1,6 +1,6 @@
-"""Per-chunk backward pieces shared by both chunked-KDA backward algorithms (``chunk_bwd.py``,
-``chunk_bwd_windowed.py``): precision and warp settings, the EXACT pairwise products, one state
-step, and every gradient of one chunk given the state before it and the state gradient after it.
+"""Per-chunk pieces of the chunked-KDA backward (``chunk_bwd_windowed.py``): matmul precision,
+the EXACT pairwise products and one state step. Every gradient of one chunk given the state
+before it and the state gradient after it is ``chunk_bwd_windowed._chunk_grads_vloop``.
 
 Math (one chunk of C = 16 rows, state S ``[K, V]`` before it; see ``chunk_bwd_reference.py``, the
 float64 twin checked against autograd)::
@@ -32,21 +32,13 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import (
-    beta_activation,
-    beta_activation_bwd,
     causal_mask,
-    gate_log_decay,
-    gate_log_decay_bwd,
     l2norm_rows,
-    l2norm_rows_bwd,
     load_chunk_beta,
     load_chunk_gate,
-    load_row_scalars,
     load_rows,
     row_of,
     safe_gate_factors,
-    store_row_scalars,
-    store_rows,
     unit_lower_inverse,
     unit_lower_inverse_doubling,
 )
@@ -66,18 +58,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     if interpreting():
         return "ieee"
     return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
-# The products that feed the decay gradient (pairwise terms, dkd, dqG, dX) lose too much to TF32
-# rounding (dg / ddt_bias RMS ratio 6e-3 / 2e-2 measured at 2K tokens): 3xTF32 there.
-def grad_precision() -> str:
-    return "ieee" if interpreting() else "tf32x3"
-
-
-def streaming_num_warps(BK: int, BV: int) -> int:
-    # S and dS ([BK, BV] fp32 each) live in registers together: 8 warps keep them at 64 registers
-    # per thread each for 128 x 128.
-    return 8 if BK * BV >= 64 * 64 else 4
 
 
 # ---------------------------------------------------------------- per-chunk helpers -------------
@@ -179,137 +159,6 @@ def state_step(S, k_base, v_base, g_base, b_base, bias_ptr, t0, n_rows, s_qk, s_
     Vp = U - tl.dot(W, S, input_precision=DOT_PREC)  # [C, BV]
     kd = k * tl.exp(GC[None, :] - G)  # [C, BK]
     return tl.exp(GC)[:, None] * S + tl.dot(tl.trans(kd), Vp, input_precision=DOT_PREC)
-
-
-@triton.jit
-def chunk_grads(S, dS, q_base, k_base, v_base, g_base, b_base, bias_ptr, do_base,
-                 dq_base, dk_base, dv_base, dg_base, db_base, t0, n_rows,
-                 s_qk, s_v, s_g, s_b, s_dqk, K, V, scale, expA, lower_bound,
-                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-                 BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
-                 DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr,
-                 STORE_QK: tl.constexpr):
-    """Every gradient of one chunk's tokens (stored), and dS before the chunk.
-
-    S: state before the chunk, dS: dL/dS after it, both ``[BK, BV]`` fp32.
-    Returns (dS_prev ``[BK, BV]``, dA_log term (scalar), ddt_bias term ``[BK]``, dq, dk ``[C, BK]``
-    (raw-input gradients)). Without STORE_QK, dq and dk are only returned (the caller sums a
-    GVA group in registers and stores once).
-    """
-    r = tl.arange(0, C)
-    cols = tl.arange(0, BK)
-    rmask = (t0 + r) < n_rows  # [C]
-    m2 = rmask[:, None] & (cols < K)[None, :]  # [C, BK]
-
-    # ---- recompute the chunk's forward
-    q_raw = load_rows(q_base, t0, n_rows, s_qk, 0, K, C, BK)  # [C, BK]
-    k_raw = load_rows(k_base, t0, n_rows, s_qk, 0, K, C, BK)
-    if L2NORM:
-        q, rq = l2norm_rows(q_raw)
-        k, rk = l2norm_rows(k_raw)
-    else:
-        q = q_raw
-        k = k_raw
-    v = load_rows(v_base, t0, n_rows, s_v, 0, V, C, BV)  # [C, BV]
-    do = load_rows(do_base, t0, n_rows, s_v, 0, V, C, BV)  # [C, BV]
-    x = load_rows(g_base, t0, n_rows, s_g, 0, K, C, BK)  # [C, BK] gate pre-activation
-    if HAS_BIAS:
-        x = x + tl.load(bias_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
-    a = tl.where(m2, gate_log_decay(x, expA, lower_bound, GATE), 0.0)  # [C, BK]
-    b_raw = load_row_scalars(b_base, t0, n_rows, s_b, C)  # [C]
-    b = tl.where(rmask, beta_activation(b_raw, BETA_SIGMOID, NEG_EIGVAL), 0.0)
-
-    G = tl.cumsum(a, axis=0)  # [C, BK]
-    Gam = tl.exp(G)
-    GC = row_of(G, C - 1, C)  # [BK]
-    gC = tl.exp(GC)
-    eC = tl.exp(GC[None, :] - G)  # [C, BK]
-    kd = k * eC
-    if SAFE:
-        eg, egi = safe_gate_factors(G, C)
-        qr = q * eg
-        kr = k * eg
-        ki = k * egi
-        Aqk = tl.where(causal_mask(C, True), tl.dot(qr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
-        Akk = tl.where(causal_mask(C, False), tl.dot(kr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
-    else:
-        Aqk, Akk = exact_qk_kk(q, k, G, C)
-    if INV_DOUBLING:
-        Tinv = unit_lower_inverse_doubling(b[:, None] * Akk, C)  # [C, C]
-    else:
-        Tinv = unit_lower_inverse(b[:, None] * Akk, C)
-    X = b[:, None] * k * Gam  # [C, BK]
-    Y = b[:, None] * v  # [C, BV]
-    W = tl.dot(Tinv, X, input_precision=DOT_PREC)  # [C, BK]
-    U = tl.dot(Tinv, Y, input_precision=DOT_PREC)  # [C, BV]
-    Vp = U - tl.dot(W, S, input_precision=DOT_PREC)  # [C, BV]
-    qG = q * Gam
-
-    # ---- state-level backward
-    dAqk = tl.where(causal_mask(C, True), scale * tl.dot(do, tl.trans(Vp), input_precision=DOT_PREC), 0.0)
-    dVp = scale * tl.dot(tl.trans(Aqk), do, input_precision=DOT_PREC) \
-        + tl.dot(kd, dS, input_precision=DOT_PREC)  # [C, BV]
-    dqG = scale * tl.dot(do, tl.trans(S), input_precision=GRAD_PREC)  # [C, BK]
-    dW = -tl.dot(dVp, tl.trans(S), input_precision=DOT_PREC)  # [C, BK]
-    dkd = tl.dot(Vp, tl.trans(dS), input_precision=GRAD_PREC)  # [C, BK]
-    dgC = tl.sum(S * dS, axis=1)  # [BK]
-    dS_prev = gC[:, None] * dS + tl.dot(tl.trans(scale * qG), do, input_precision=DOT_PREC) \
-        - tl.dot(tl.trans(W), dVp, input_precision=DOT_PREC)  # [BK, BV]
-
-    # ---- through Tinv = (I + beta Araw)^-1
-    dT = tl.dot(dW, tl.trans(X), input_precision=DOT_PREC) + tl.dot(dVp, tl.trans(Y), input_precision=DOT_PREC)
-    TinvT = tl.trans(Tinv)
-    dX = tl.dot(TinvT, dW, input_precision=GRAD_PREC)  # [C, BK]
-    dY = tl.dot(TinvT, dVp, input_precision=DOT_PREC)  # [C, BV]
-    dM = -tl.dot(tl.dot(TinvT, dT, input_precision=DOT_PREC), TinvT, input_precision=DOT_PREC)
-    dM = tl.where(causal_mask(C, False), dM, 0.0)  # [C, C]
-    dAkk = b[:, None] * dM
-    db = tl.sum(dM * Akk, axis=1)  # [C]
-
-    # ---- pairwise terms
-    if SAFE:
-        dqr = tl.dot(dAqk, ki, input_precision=GRAD_PREC)  # [C, BK]
-        dkr = tl.dot(dAkk, ki, input_precision=GRAD_PREC)
-        dki = tl.dot(tl.trans(dAqk), qr, input_precision=GRAD_PREC) + tl.dot(tl.trans(dAkk), kr, input_precision=GRAD_PREC)
-        dq = dqr * eg
-        dk = dkr * eg + dki * egi
-        dG = dqr * qr + dkr * kr - dki * ki
-    else:
-        dq, dk, dG = exact_pairwise_bwd(dAqk, dAkk, q, k, G, C)
-
-    # ---- elementwise terms
-    dv = b[:, None] * dY
-    db += tl.sum(v * dY, axis=1) + tl.sum(k * Gam * dX, axis=1)
-    dk += b[:, None] * Gam * dX
-    dG += dX * X
-    dq += dqG * Gam
-    dG += dqG * qG
-    dk += dkd * eC
-    dG -= dkd * kd
-    last = tl.sum(dkd * kd, axis=0) + dgC * gC  # [BK]: d/dG[C-1] through G[C-1] - G and gC
-    dG += tl.where((r == C - 1)[:, None], last[None, :], 0.0)
-    da = tl.cumsum(dG, axis=0, reverse=True)  # [C, BK]
-
-    # ---- token transforms
-    dx, dlog = gate_log_decay_bwd(da, x, expA, lower_bound, GATE)
-    dx = tl.where(m2, dx, 0.0)
-    dA_term = tl.sum(tl.sum(tl.where(m2, dlog, 0.0), axis=1), axis=0)
-    ddt_term = tl.sum(dx, axis=0)  # [BK]
-    if L2NORM:
-        dq = l2norm_rows_bwd(dq, q, rq)
-        dk = l2norm_rows_bwd(dk, k, rk)
-    db_raw = beta_activation_bwd(db, b_raw, BETA_SIGMOID, NEG_EIGVAL)
-
-    if STORE_QK:
-        store_rows(dq_base, dq, t0, n_rows, s_dqk, 0, K, C, BK)
-        store_rows(dk_base, dk, t0, n_rows, s_dqk, 0, K, C, BK)
-    store_rows(dv_base, dv, t0, n_rows, s_v, 0, V, C, BV)
-    store_rows(dg_base, dx, t0, n_rows, s_g, 0, K, C, BK)
-    store_row_scalars(db_base, db_raw, t0, n_rows, s_b, C)
-    return dS_prev, dA_term, ddt_term, dq, dk
-
-
 
 
 # The last compiled launch (register and spill counts for the GPU tests and tuning).

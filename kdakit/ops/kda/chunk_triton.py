@@ -1,6 +1,5 @@
-"""Autograd Function joining the Triton chunk kernels: forward (chunk_fwd) and the
-backward (chunk_bwd; its algorithm comes from the plan: streaming by default, windowed with
-``KDAKIT_CHUNK_BACKWARD=windowed``).
+"""Autograd Function joining the Triton chunk kernels: forward (chunk_fwd) and the windowed
+backward (chunk_bwd).
 
 Saved for backward: the inputs autograd already holds plus the fp32 state checkpoints
 at the plan's cadence (``plan.checkpoint_every_n_tokens``) — nothing that grows with
@@ -47,8 +46,7 @@ class ChunkKDATritonFunction(torch.autograd.Function):
             do = do.contiguous()
         dq, dk, dv, dg, dbeta, dA, dbias, dh0 = chunk_kda_bwd(
             q, k, v, g, beta, do, dht, checkpoints=ckpts, scale=ctx.scale, A_log=A_log, dt_bias=dt_bias,
-            initial_state=initial_state, cu_seqlens=cu_seqlens, plan=ctx.plan, ckpt_offsets=offsets,
-            algorithm=ctx.plan.backward_algorithm, **ctx.flags)
+            initial_state=initial_state, cu_seqlens=cu_seqlens, plan=ctx.plan, ckpt_offsets=offsets, **ctx.flags)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
         return dq, dk, dv, dg, dbeta, dA, dbias, dh0, None, None, None, None, None

@@ -40,14 +40,12 @@ K-major); sequence n's checkpoint j is the state before its token ``j * L`` and 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 CHUNK_SIZE = 16
-BACKWARD_ALGORITHMS = ("streaming", "windowed")
 DEFAULT_CHECKPOINT_TOKENS = 2048
 DEFAULT_RECOMPUTE_TOKENS = 256
 H200_SMS = 132
@@ -125,7 +123,6 @@ class KDAPlan:
     # allocated, freed and allocated again, e.g. checkpoint_offsets); marks name phases.
     events: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     num_chunks: int = 0  # chunks of C tokens over all sequences (the forward intra kernel's grid)
-    backward_algorithm: str = "streaming"  # chunk_bwd's algorithm: 'streaming' or 'windowed'
 
     @property
     def workspace_bytes(self) -> int:
@@ -251,8 +248,7 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
              checkpoint_every_n_tokens: int | None = None, initial_state: bool = False,
              initial_state_dtype: torch.dtype = torch.float32, output_final_state: bool = False,
              gate_params: bool = True, backend: str = "triton", block_v: int | None = None,
-             num_sms: int = H200_SMS, backward_stage_dtype: torch.dtype = torch.float32,
-             backward_algorithm: str | None = None) -> KDAPlan:
+             num_sms: int = H200_SMS) -> KDAPlan:
     """Plan a ``chunk_kda`` training call (forward + backward) from shapes alone.
 
     Shapes come from tensors ``q`` ``[B, T, H, K]`` and ``v`` ``[B, T, HV, V]`` (metadata only)
@@ -262,15 +258,7 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
     those state tensors exist; ``gate_params`` whether fp32 ``A_log [HV]`` and
     ``dt_bias [HV*K]`` are inputs (and get gradients). ``backend`` is 'triton' (exact model)
     or 'torch' (the PyTorch path: checkpoints and floor only, ``peak_model = 'lower bound'``).
-    ``backward_stage_dtype`` is the storage dtype of the streaming backward's per-chunk state slots.
-    ``backward_algorithm``: 'streaming' (default, measured on the H200) or 'windowed' (parallel
-    stages, ``chunk_bwd_windowed.py``; not yet run on a GPU); None reads ``KDAKIT_CHUNK_BACKWARD``.
     """
-    if backward_algorithm is None:
-        backward_algorithm = os.environ.get("KDAKIT_CHUNK_BACKWARD", "").strip().lower() or "streaming"
-    if backward_algorithm not in BACKWARD_ALGORITHMS:
-        raise ValueError(f"backward_algorithm (or KDAKIT_CHUNK_BACKWARD) must be one of {BACKWARD_ALGORITHMS}, "
-                         f"got {backward_algorithm!r}")
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     if q is not None:
@@ -368,55 +356,16 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
         # autograd hands a zero cotangent for an unused final state
         add("d_final_state", (N, HV, K, V), f32, "inputs/dO/O", "backward")
 
-    # Backward (chunk_bwd): gradients are allocated first, then the workspace; the kernel runs;
-    # the workspace is freed before the GVA reductions and the parameter sums.
-    gva = HV > H
-    windowed = backend == "triton" and backward_algorithm == "windowed"
-    if windowed:
+    # Backward (chunk_bwd): the windowed pipeline's allocations in launcher order; the PyTorch
+    # path is priced by its gradient outputs only (a lower bound).
+    if backend == "triton":
         _plan_windowed_backward(add, free, events, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, L=L, L2=L2, dtype=dtype,
                                 initial_state=initial_state, initial_state_dtype=initial_state_dtype,
                                 gate_params=gate_params)
-    elif backend == "triton":
-        if gva:
-            add("bwd_dq_partials", (B, T, HV, K), f32, "stage buffers", "backward")
-            add("bwd_dk_partials", (B, T, HV, K), f32, "stage buffers", "backward")
-    if not windowed:
-        for name, shape in ((("dq", (B, T, H, K)), ("dk", (B, T, H, K))) if not gva or backend != "triton" else ()):
-            add(name, shape, dtype, "gradient outputs", "backward")
-        for name, shape in (("dv", (B, T, HV, V)), ("dg", (B, T, HV, K)), ("dbeta", (B, T, HV))):
-            add(name, shape, dtype, "gradient outputs", "backward")
-    h0_cast = initial_state and initial_state_dtype != f32
-    if windowed:
-        pass
-    elif backend == "triton":
-        progs = N * HV
-        if gate_params:
-            add("bwd_dA_log_partials", (N, HV), f32, "workspace", "backward")
-            add("bwd_ddt_bias_partials", (N, HV, K), f32, "workspace", "backward")
-        if initial_state:
-            add("d_initial_state_fp32" if h0_cast else "d_initial_state", (N, HV, K, V), f32,
-                "stage buffers" if h0_cast else "gradient outputs", "backward")
-        add("bwd_segment_states", (progs, L // L2, K, V), f32, "workspace", "backward")
-        add("bwd_chunk_states", (progs, L2 // CHUNK_SIZE, K, V), backward_stage_dtype, "workspace", "backward")
-        events.append(("mark", "backward kernel"))
-        free("bwd_segment_states", "bwd_chunk_states")
-        if gva:
-            for d, part in (("dq", "bwd_dq_partials"), ("dk", "bwd_dk_partials")):
-                add(f"bwd_{d}_group_sum", (B, T, H, K), f32, "stage buffers", "backward")
-                add(d, (B, T, H, K), dtype, "gradient outputs", "backward")
-                events.append(("mark", f"{d} group reduction"))
-                free(f"bwd_{d}_group_sum", part)
-        if gate_params:
-            add("dA_log", (HV,), f32, "gradient outputs", "backward")
-            add("ddt_bias", (HV * K,), f32, "gradient outputs", "backward")
-        free("checkpoint_offsets")
-        if gate_params:
-            free("bwd_dA_log_partials", "bwd_ddt_bias_partials")
-        if h0_cast:
-            add("d_initial_state", (N, HV, K, V), initial_state_dtype, "gradient outputs", "backward")
-            events.append(("mark", "initial-state gradient cast"))
-            free("d_initial_state_fp32")
     else:
+        for name, shape in (("dq", (B, T, H, K)), ("dk", (B, T, H, K)), ("dv", (B, T, HV, V)),
+                            ("dg", (B, T, HV, K)), ("dbeta", (B, T, HV))):
+            add(name, shape, dtype, "gradient outputs", "backward")
         if gate_params:
             add("dA_log", (HV,), f32, "gradient outputs", "backward")
             add("ddt_bias", (HV * K,), f32, "gradient outputs", "backward")
@@ -455,7 +404,7 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
         predicted_peak_bytes=peak if backend == "triton" else floor + saved, peak_at=peak_at,
         events=tuple(events),
         allocations=tuple(allocs), peak_model="exact" if backend == "triton" else "lower bound",
-        num_chunks=n_chunks, backward_algorithm=backward_algorithm,
+        num_chunks=n_chunks,
     )
 
 
