@@ -7,7 +7,7 @@ sums the parameter partials. The per-chunk math is in ``chunk_bwd_common.py`` an
 ``chunk_bwd_windowed.py``; its float64 twin, checked against autograd, is ``chunk_bwd_reference.py``.
 
 Measured on the H200 (1x8K, H = HV = 96, K = V = 128, bf16, SPEC §3 flags; ``docs/perf_notes.md``):
-the backward takes ~27 ms (window starts 4.3, window states 10.9, gradients 11.5), where the previous
+the backward takes ~36 ms (window starts 4.3, window states 12.6, gradients 19.4), where the previous
 one-program-per-(sequence, head) streaming kernel took 61 ms.
 
 Layouts and limits: token-major contiguous inputs, fp32 checkpoints ``[rows, HV, K, V]``,

@@ -60,6 +60,13 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+# The products that feed the decay gradient (pairwise terms, dkd, dqG, dX) lose too much to TF32
+# rounding: on the H200, the windowed backward with TF32 there gave ddt_bias an RMS ratio of 1.66e-2
+# (limit 8e-3; T = 4048 over 3 sequences, H = 4); 3xTF32 there.
+def grad_precision() -> str:
+    return "ieee" if interpreting() else "tf32x3"
+
+
 # ---------------------------------------------------------------- per-chunk helpers -------------
 
 @triton.jit

@@ -23,16 +23,16 @@ Two facts make most of the work parallel: the state-gradient recurrence
   parameter partials 0.8 MB = 151.8 MB (+ checkpoints 25.2 MB saved by the forward); the same
   151.8 MB at 1x128K H96 (checkpoints 402.7 MB); 202.4 MB at 8x8K H16 and 1x8K H128 (+33.6 MB).
   Measured (H200, 1x8K H96, bf16, SPEC §3 flags; ``benchmarks/tune_windowed.py``, docs/perf_notes.md):
-  window starts 4.3 ms, window states 10.9 ms, gradients 11.5 ms (~27 ms in all, vs 61 ms for the
+  window starts 4.3 ms, window states 12.6 ms, gradients 19.4 ms (~36 ms in all, vs 61 ms for the
   earlier one-program-per-(sequence, head) streaming kernel it replaced). The prediction had been
   ~4.7 ms: every stage's chunk step costs 5-10x the estimate because each sequential step and each
   gradient program re-derives the chunk's S-independent work (gate cumsum, Akk, the inverse, W) at
   255 registers with spills. Floors: any backward moves >= 1.8 GB -> 0.42 ms at 4.3 TB/s; this
   design moves ~10.4 GB (S_c and dS slots written and read back once, 6.4 GB; inputs read three
   times) -> 2.4 ms; ~0.39 TFLOP -> 0.5 ms at 790 TFLOP/s.
-  Matmul precision: TF32 for 16-bit inputs (3xTF32 cost ~10 ms more at 1x8K H96; the bf16 gate's
-  RMS ratios moved from <= 2.7e-3 to <= 3.8e-3, ddt_bias 1.7e-3 -> 3.8e-3, limit 8e-3), 3xTF32 for
-  fp32 inputs, exact in the interpreter.
+  Matmul precision: GRAD_PREC (3xTF32 on the GPU) on the products that feed the decay gradient.
+  Plain TF32 there measured 9.7 ms faster at 1x8K H96 but failed the GPU tier: ddt_bias RMS ratio
+  1.66e-2 against 8e-3 (T = 4048 over 3 sequences, H = 4, initial state); see chunk_bwd_common.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from kdakit.ops.kda.chunk_bwd_common import (
     LAST_LAUNCH,
     exact_pairwise_bwd,
     exact_qk_kk,
+    grad_precision,
     interpreting,
     state_step,
     state_strides,
@@ -103,7 +104,7 @@ def _dstate_step(dS, q_base, k_base, g_base, b_base, bias_ptr, do_base, t0, n_ro
                  K, n_vcols, scale, expA, lower_bound, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
                  BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
-                 DOT_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr):
+                 DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr):
     """dL/dS before the chunk at row t0 from dL/dS after it; needs no state (S-free)::
 
         dV' = scale Aqk^T dO + kd dS,   dS_prev = gC dS + scale (q Gam)^T dO - W^T dV'
@@ -125,8 +126,8 @@ def _dstate_step(dS, q_base, k_base, g_base, b_base, bias_ptr, do_base, t0, n_ro
     if SAFE:
         eg, egi = safe_gate_factors(G, C)
         ki = k * egi
-        Aqk = tl.where(causal_mask(C, True), tl.dot(q * eg, tl.trans(ki), input_precision=DOT_PREC), 0.0)
-        Akk = tl.where(causal_mask(C, False), tl.dot(k * eg, tl.trans(ki), input_precision=DOT_PREC), 0.0)
+        Aqk = tl.where(causal_mask(C, True), tl.dot(q * eg, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
+        Akk = tl.where(causal_mask(C, False), tl.dot(k * eg, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
     else:
         Aqk, Akk = exact_qk_kk(q, k, G, C)
     if INV_DOUBLING:
@@ -194,7 +195,7 @@ def chunk_kda_bwd_window_states_kernel(
     SUB_CHUNKS: tl.constexpr, N_SUB: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr, ROUND_STAGE: tl.constexpr,
+    DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr, ROUND_STAGE: tl.constexpr,
 ):
     """Stage 2, grid (N*HV, cdiv(V, BV), 2) for window ``win`` (global window index of every sequence).
 
@@ -252,7 +253,7 @@ def chunk_kda_bwd_window_states_kernel(
                 store_matrix(slots + (c - d0) * KV, _stage_value(dS, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
                 dS = _dstate_step(dS, q_b, k_b, g_b, b_b, bias_p, do_b, c * C, n_rows, H * K, HV * V, HV * K, HV,
                                   K, V - v0, scale, expA, lower_bound, C, BK, BV, GATE, HAS_BIAS, L2NORM,
-                                  BETA_SIGMOID, NEG_EIGVAL, SAFE, DOT_PREC, INV_DOUBLING)
+                                  BETA_SIGMOID, NEG_EIGVAL, SAFE, DOT_PREC, GRAD_PREC, INV_DOUBLING)
                 c -= 1
             store_matrix(c_ptr, dS, s_c_k, s_c_v, K, V, v0, BK, BV)
 
@@ -263,7 +264,7 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
                        BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
-                       DOT_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr):
+                       DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr):
     """The gradients of ``chunk_grads`` (not dS_prev) with S and dS read in value blocks of BV.
 
     S and dS are K-major ``[K, V]`` slots at s_base / ds_base. Only ``[BK, BV]`` pieces of them and
@@ -303,8 +304,8 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
         qr = q * eg
         kr = k * eg
         ki = k * egi
-        Aqk = tl.where(causal_mask(C, True), tl.dot(qr, tl.trans(ki), input_precision=DOT_PREC), 0.0)
-        Akk = tl.where(causal_mask(C, False), tl.dot(kr, tl.trans(ki), input_precision=DOT_PREC), 0.0)
+        Aqk = tl.where(causal_mask(C, True), tl.dot(qr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
+        Akk = tl.where(causal_mask(C, False), tl.dot(kr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
     else:
         Aqk, Akk = exact_qk_kk(q, k, G, C)
     if INV_DOUBLING:
@@ -333,9 +334,9 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
         Vp = tl.dot(Tinv, Y, input_precision=DOT_PREC) - tl.dot(W, S, input_precision=DOT_PREC)  # [C, BV]
         dVp = tl.dot(tl.trans(Aqk), sdo, input_precision=DOT_PREC) + tl.dot(kd, dS, input_precision=DOT_PREC)
         dAqk += tl.dot(sdo, tl.trans(Vp), input_precision=DOT_PREC)
-        dqG += tl.dot(sdo, tl.trans(S), input_precision=DOT_PREC)
+        dqG += tl.dot(sdo, tl.trans(S), input_precision=GRAD_PREC)
         dW -= tl.dot(dVp, tl.trans(S), input_precision=DOT_PREC)
-        dkd += tl.dot(Vp, tl.trans(dS), input_precision=DOT_PREC)
+        dkd += tl.dot(Vp, tl.trans(dS), input_precision=GRAD_PREC)
         dgC += tl.sum(S * dS, axis=1)
         dTY += tl.dot(dVp, tl.trans(Y), input_precision=DOT_PREC)
         dY = tl.dot(TinvT, dVp, input_precision=DOT_PREC)  # [C, BV]
@@ -346,7 +347,7 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
 
     # ---- through Tinv = (I + beta Araw)^-1
     dT = tl.dot(dW, tl.trans(X), input_precision=DOT_PREC) + dTY
-    dX = tl.dot(TinvT, dW, input_precision=DOT_PREC)  # [C, BK]
+    dX = tl.dot(TinvT, dW, input_precision=GRAD_PREC)  # [C, BK]
     dM = -tl.dot(tl.dot(TinvT, dT, input_precision=DOT_PREC), TinvT, input_precision=DOT_PREC)
     dM = tl.where(causal_mask(C, False), dM, 0.0)  # [C, C]
     dAkk = b[:, None] * dM
@@ -354,10 +355,10 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
 
     # ---- pairwise terms
     if SAFE:
-        dqr = tl.dot(dAqk, ki, input_precision=DOT_PREC)  # [C, BK]
-        dkr = tl.dot(dAkk, ki, input_precision=DOT_PREC)
-        dki = tl.dot(tl.trans(dAqk), qr, input_precision=DOT_PREC) \
-            + tl.dot(tl.trans(dAkk), kr, input_precision=DOT_PREC)
+        dqr = tl.dot(dAqk, ki, input_precision=GRAD_PREC)  # [C, BK]
+        dkr = tl.dot(dAkk, ki, input_precision=GRAD_PREC)
+        dki = tl.dot(tl.trans(dAqk), qr, input_precision=GRAD_PREC) \
+            + tl.dot(tl.trans(dAkk), kr, input_precision=GRAD_PREC)
         dq = dqr * eg
         dk = dkr * eg + dki * egi
         dG = dqr * qr + dkr * kr - dki * ki
@@ -397,7 +398,7 @@ def chunk_kda_bwd_window_grads_kernel(
     GROUP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB_CHUNKS: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr,
+    DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr,
 ):
     """Stage 3, grid (N*H, SUB_CHUNKS) for window ``win``: every gradient of one chunk, for the
     GROUP value heads of one q/k head (dq, dk summed over them in registers, stored once), from
@@ -432,7 +433,7 @@ def chunk_kda_bwd_window_grads_kernel(
                 ws_s + slot, ws_ds + slot, q_b, k_b, v + vo, g + go, beta + bos * HV + hv, dt_bias + hv * K,
                 do + vo, dv + vo, dg + go, dbeta + bos * HV + hv, t0, n_rows,
                 H * K, HV * V, HV * K, HV, K, V, scale, expA, lower_bound,
-                C, BK, BV, GATE, HAS_BIAS, L2NORM, BETA_SIGMOID, NEG_EIGVAL, SAFE, DOT_PREC,
+                C, BK, BV, GATE, HAS_BIAS, L2NORM, BETA_SIGMOID, NEG_EIGVAL, SAFE, DOT_PREC, GRAD_PREC,
                 INV_DOUBLING)
             dq_acc += dq_t
             dk_acc += dk_t
@@ -559,6 +560,7 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
     c_str = state_strides(carry, state_v_first)
     seq = {k_: consts[k_] for k_ in ("GATE", "HAS_A", "HAS_BIAS", "L2NORM", "BETA_SIGMOID", "NEG_EIGVAL", "SAFE",
                                      "IS_VARLEN", "DOT_PREC", "INV_DOUBLING")}
+    grad_prec = grad_precision()
     for win in reversed(range(n_win)):
         seg = win // n_sub
         # Stage 1 runs before the segment's first processed (= last existing) window.
@@ -572,14 +574,14 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
             q, k, v, g, beta, do, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr,
             ws_win if ws_win is not None else dummy, ws_s, ws_ds, carry,
             win, scale, lower_bound, T, H, HV, K, V, *c_str,
-            GROUP=HV // H, C=C, BK=BK, BV=BV2, SUB_CHUNKS=sub, N_SUB=n_sub, **seq,
+            GROUP=HV // H, C=C, BK=BK, BV=BV2, SUB_CHUNKS=sub, N_SUB=n_sub, **seq, GRAD_PREC=grad_prec,
             ROUND_STAGE=interpreting() and stage_dtype == torch.bfloat16, num_warps=STATE_NUM_WARPS, num_stages=1)
         LAST_LAUNCH["window_grads"] = chunk_kda_bwd_window_grads_kernel[(N * H, sub)](
             q, k, v, g, beta, do, cu, a_ptr, b_ptr, ws_s, ws_ds,
             dq, dk, dv, dg, dbeta, dA_part if dA_part is not None else dummy,
             ddt_part if ddt_part is not None else dummy,
             win, scale, lower_bound, T, H, HV, K, V,
-            C=C, BK=BK, BV=BVG, SUB_CHUNKS=sub, GROUP=HV // H, **seq,
+            C=C, BK=BK, BV=BVG, SUB_CHUNKS=sub, GROUP=HV // H, **seq, GRAD_PREC=grad_prec,
             num_warps=GRADS_NUM_WARPS, num_stages=GRADS_NUM_STAGES)
     del ws_win, ws_s, ws_ds, carry
     return dq, dk, dv, dg, dbeta, dA_part, ddt_part, dh0
