@@ -109,5 +109,9 @@ if has fla; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 wait
+if [ -f "$OUT/chunk_kdakit.json" ] && [ -f "$OUT/chunk_fla.json" ]; then
+    python3 benchmarks/compare_chunk.py --kdakit "$OUT/chunk_kdakit.json" --fla "$OUT/chunk_fla.json" \
+        --out "$OUT/chunk_vs_fla.json" || rc=1
+fi
 (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" | tar czf "$OUT/triton_autotune.tgz" -T -)
 exit $rc
