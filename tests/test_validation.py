@@ -124,3 +124,21 @@ def test_backend_env_is_checked(monkeypatch):
     monkeypatch.setenv("KDAKIT_BACKEND", "cuda-please")
     with pytest.raises(ValueError, match=r"^KDAKIT_BACKEND must be one of"):
         _call(t, kw)
+
+
+def test_validation_reads_the_sequence_lengths_once_for_the_plan():
+    """KDAShape.seqlens carries cu_seqlens's lengths (one host read); the plan made from them is the
+    plan made from cu_seqlens itself."""
+    from kdakit.ops.kda.plan import plan_kda
+    from kdakit.ops.kda.validate import validate_kda_inputs
+
+    inp = make_kda_inputs(T=70, H=1, HV=2, K=16, V=16, dtype=torch.float32, gate="safe", seqlens=[37, 0, 33])
+    t, kw = inp["tensors"], inp["kwargs"]
+    opts = dict(scale=None, initial_state=None, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                allow_neg_eigval=False, safe_gate=True, lower_bound=kw["lower_bound"], A_log=t["A_log"],
+                dt_bias=t["dt_bias"], state_v_first=False)
+    shape = validate_kda_inputs(t["q"], t["k"], t["v"], t["g"], t["beta"], cu_seqlens=kw["cu_seqlens"], **opts)
+    assert shape.seqlens == (37, 0, 33) and shape.N == 3
+    assert plan_kda(t["q"], t["v"], seqlens=shape.seqlens) == plan_kda(t["q"], t["v"], cu_seqlens=kw["cu_seqlens"])
+    fixed = validate_kda_inputs(t["q"], t["k"], t["v"], t["g"], t["beta"], cu_seqlens=None, **opts)
+    assert fixed.seqlens is None

@@ -133,7 +133,7 @@ def chunk_kda(
     if backend == "triton":
         from kdakit.ops.kda.chunk_triton import chunk_kda_triton
 
-        o, final = chunk_kda_triton(q, k, v, g, beta, safe_gate=safe_gate, **kwargs)
+        o, final = chunk_kda_triton(q, k, v, g, beta, safe_gate=safe_gate, seqlens=shape.seqlens, **kwargs)
     else:
         o, final = chunked_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
     if pool is not None:

@@ -67,9 +67,10 @@ from kdakit.ops.kda.chunk_common import (
     load_matrix,
     load_row_scalars,
     load_rows,
-    round_to_bf16,
+    round_to_bf16_if,
     row_of,
     safe_gate_factors,
+    seq_bounds,
     store_matrix,
     store_row_scalars,
     store_rows,
@@ -78,25 +79,6 @@ from kdakit.ops.kda.chunk_common import (
 )
 
 RECOMPUTE_TOKENS = 256  # the plan's L2 rule: windows of gcd(256, L) tokens
-
-
-@triton.jit
-def _seq_span(cu_seqlens, n, T, IS_VARLEN: tl.constexpr):
-    """(first token, length) of sequence n: int64 and int32 scalars."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + n).to(tl.int64)
-        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-    else:
-        bos = n.to(tl.int64) * T
-        eos = bos + T
-    return bos, (eos - bos).to(tl.int32)
-
-
-@triton.jit
-def _stage_value(x, ROUND_STAGE: tl.constexpr):
-    if ROUND_STAGE:
-        x = round_to_bf16(x)
-    return x
 
 
 @triton.jit
@@ -160,7 +142,8 @@ def chunk_kda_bwd_window_starts_kernel(
     n = item // HV
     hv = item % HV
     h = hv // GROUP
-    bos, n_rows = _seq_span(cu_seqlens, n, T, IS_VARLEN)
+    bos, eos = seq_bounds(cu_seqlens, n, T, IS_VARLEN)
+    n_rows = (eos - bos).to(tl.int32)
     n_chunks = (n_rows + C - 1) // C
     c0 = seg * SEG_CHUNKS
     if c0 < n_chunks:
@@ -211,7 +194,8 @@ def chunk_kda_bwd_window_states_kernel(
     n = item // HV
     hv = item % HV
     h = hv // GROUP
-    bos, n_rows = _seq_span(cu_seqlens, n, T, IS_VARLEN)
+    bos, eos = seq_bounds(cu_seqlens, n, T, IS_VARLEN)
+    n_rows = (eos - bos).to(tl.int32)
     n_chunks = (n_rows + C - 1) // C
     d0 = win * SUB_CHUNKS
     if d0 < n_chunks:
@@ -236,12 +220,12 @@ def chunk_kda_bwd_window_states_kernel(
             v_b = v + bos * (HV * V) + hv * V + v0
             c = d0
             while c < d1 - 1:
-                store_matrix(slots + (c - d0) * KV, _stage_value(S, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
+                store_matrix(slots + (c - d0) * KV, round_to_bf16_if(S, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
                 S = state_step(S, k_b, v_b, g_b, b_b, bias_p, c * C, n_rows, H * K, HV * V, HV * K, HV,
                                 K, V - v0, expA, lower_bound, C, BK, BV, GATE, HAS_BIAS, L2NORM, BETA_SIGMOID,
                                 NEG_EIGVAL, SAFE, DOT_PREC, INV_DOUBLING)
                 c += 1
-            store_matrix(slots + (d1 - 1 - d0) * KV, _stage_value(S, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
+            store_matrix(slots + (d1 - 1 - d0) * KV, round_to_bf16_if(S, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
         else:
             q_b = q + bos * (H * K) + h * K
             do_b = do + bos * (HV * V) + hv * V + v0
@@ -250,7 +234,7 @@ def chunk_kda_bwd_window_states_kernel(
             slots = ws_ds + item.to(tl.int64) * SUB_CHUNKS * KV
             c = d1 - 1
             while c >= d0:
-                store_matrix(slots + (c - d0) * KV, _stage_value(dS, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
+                store_matrix(slots + (c - d0) * KV, round_to_bf16_if(dS, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
                 dS = _dstate_step(dS, q_b, k_b, g_b, b_b, bias_p, do_b, c * C, n_rows, H * K, HV * V, HV * K, HV,
                                   K, V - v0, scale, expA, lower_bound, C, BK, BV, GATE, HAS_BIAS, L2NORM,
                                   BETA_SIGMOID, NEG_EIGVAL, SAFE, DOT_PREC, GRAD_PREC, INV_DOUBLING)
@@ -408,7 +392,8 @@ def chunk_kda_bwd_window_grads_kernel(
     j = tl.program_id(1)
     n = i_nh // H
     h = i_nh % H
-    bos, n_rows = _seq_span(cu_seqlens, n, T, IS_VARLEN)
+    bos, eos = seq_bounds(cu_seqlens, n, T, IS_VARLEN)
+    n_rows = (eos - bos).to(tl.int32)
     n_chunks = (n_rows + C - 1) // C
     c = win * SUB_CHUNKS + j
     if c < n_chunks:

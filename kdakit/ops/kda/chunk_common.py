@@ -68,6 +68,19 @@ def block_size(n: int) -> int:
 
 
 @triton.jit
+def seq_bounds(cu_seqlens, n, T, IS_VARLEN: tl.constexpr):
+    """[bos, eos) token span of sequence n as int64 scalars: packed (cu_seqlens) or n * T.
+    Shared by the chunk and the recurrent kernels."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    else:
+        bos = n.to(tl.int64) * T
+        eos = bos + T
+    return bos, eos
+
+
+@triton.jit
 def load_rows(base, t0, n_rows, stride_row, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
     """Tile ``x[t0 + r, col0 + c]`` of a row-major slab (unit column stride) as fp32.
 
@@ -395,3 +408,12 @@ def round_to_bf16(x):
     b = x.to(tl.uint32, bitcast=True)
     b = b + 0x7FFF + ((b >> 16) & 1)
     return (b & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_bf16_if(x, ROUND: tl.constexpr):
+    """``round_to_bf16(x)`` when ROUND (interpreted kernels storing bf16), else ``x``: a value about
+    to be stored to a bf16 buffer then matches the GPU's round-to-nearest cast."""
+    if ROUND:
+        x = round_to_bf16(x)
+    return x

@@ -78,6 +78,7 @@ from kdakit.ops.kda.chunk_common import (
     pairwise_dot,
     pairwise_exact,
     round_to_bf16,
+    round_to_bf16_if,
     row_of,
     safe_gate_factors,
     store_matrix,
@@ -107,14 +108,6 @@ def state_num_warps(BK: int, BV: int) -> int:
 # ---------------------------------------------------------------------------------------
 # kernel 1: everything of a chunk that does not depend on the state
 # ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _to_storage(x, EMULATE_BF16: tl.constexpr):
-    """Value to store: the interpreter's bf16 cast truncates, so round to nearest first."""
-    if EMULATE_BF16:
-        x = round_to_bf16(x)
-    return x
 
 
 @triton.jit
@@ -198,12 +191,12 @@ def chunk_kda_fwd_intra_kernel(
 
     row_k = HV * K
     tok = (bos * HV + i_hv) * K
-    store_rows(w + tok, _to_storage(wt, EMULATE_BF16), t0, seq_len, row_k, 0, K, C, BK)
-    store_rows(qg + tok, _to_storage(qt * gam, EMULATE_BF16), t0, seq_len, row_k, 0, K, C, BK)
-    store_rows(kd + tok, _to_storage(kt * tl.exp(g_last[None, :] - Gc), EMULATE_BF16),
+    store_rows(w + tok, round_to_bf16_if(wt, EMULATE_BF16), t0, seq_len, row_k, 0, K, C, BK)
+    store_rows(qg + tok, round_to_bf16_if(qt * gam, EMULATE_BF16), t0, seq_len, row_k, 0, K, C, BK)
+    store_rows(kd + tok, round_to_bf16_if(kt * tl.exp(g_last[None, :] - Gc), EMULATE_BF16),
                t0, seq_len, row_k, 0, K, C, BK)
-    store_rows(aqk + (bos * HV + i_hv) * C, _to_storage(Aqk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
-    store_rows(uo + (bos * HV + i_hv) * V, _to_storage(ut, EMULATE_BF16), t0, seq_len, HV * V, 0, V, C, BV)
+    store_rows(aqk + (bos * HV + i_hv) * C, round_to_bf16_if(Aqk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
+    store_rows(uo + (bos * HV + i_hv) * V, round_to_bf16_if(ut, EMULATE_BF16), t0, seq_len, HV * V, 0, V, C, BV)
     c = tl.arange(0, BK)
     tl.store(gc + (i_t * HV + i_hv) * K + c, tl.exp(g_last), mask=c < K)
 
@@ -252,7 +245,7 @@ def _state_step(
     vn = ut - tl.dot(wt, Sb, input_precision=DOT_PREC)  # [C, BV] = V'
     vb = _operand(vn, OP_BF16, EMULATE_BF16)
     ot = scale * (tl.dot(qgt, Sb, input_precision=DOT_PREC) + tl.dot(at, vb, input_precision=DOT_PREC))
-    store_rows(uo_base, _to_storage(ot, EMULATE_BF16), t0, seq_len, HV * V, v0, V, C, BV)
+    store_rows(uo_base, round_to_bf16_if(ot, EMULATE_BF16), t0, seq_len, HV * V, v0, V, C, BV)
     return S * gct[:, None] + tl.dot(tl.trans(kdt), vb, input_precision=DOT_PREC)  # [BK, BV]
 
 

@@ -13,7 +13,7 @@ import torch
 
 from kdakit.ops.kda.chunk_bwd import chunk_kda_bwd
 from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd
-from kdakit.ops.kda.plan import plan_kda
+from kdakit.ops.kda.plan import plan_kda, sequence_lengths
 
 _FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
           "safe_gate", "lower_bound", "state_v_first")
@@ -21,9 +21,10 @@ _FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_
 
 class ChunkKDATritonFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, seqlens, scale, output_final_state,
                 checkpoint_every_n_tokens, flags: dict):
-        plan = plan_kda(q, v, cu_seqlens=cu_seqlens, checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+        # seqlens: cu_seqlens's lengths as validation read them (no second device read here).
+        plan = plan_kda(q, v, seqlens=seqlens, checkpoint_every_n_tokens=checkpoint_every_n_tokens,
                         initial_state=initial_state is not None,
                         initial_state_dtype=initial_state.dtype if initial_state is not None else torch.float32,
                         output_final_state=output_final_state, gate_params=A_log is not None)
@@ -49,12 +50,20 @@ class ChunkKDATritonFunction(torch.autograd.Function):
             initial_state=initial_state, cu_seqlens=cu_seqlens, plan=ctx.plan, ckpt_offsets=offsets, **ctx.flags)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, dg, dbeta, dA, dbias, dh0, None, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dA, dbias, dh0, None, None, None, None, None, None
 
 
 def chunk_kda_triton(q, k, v, g, beta, *, scale, A_log, dt_bias, initial_state, output_final_state,
-                     cu_seqlens, checkpoint_every_n_tokens, **flags):
-    """Validated inputs (see ``kdakit.chunk_kda``) -> ``(o, final_state or None)`` via the Triton kernels."""
+                     cu_seqlens, checkpoint_every_n_tokens, seqlens=None, **flags):
+    """Validated inputs (see ``kdakit.chunk_kda``) -> ``(o, final_state or None)`` via the Triton kernels.
+
+    ``seqlens``: the per-sequence lengths of ``cu_seqlens`` already on the host (``KDAShape.seqlens``);
+    None reads them from ``cu_seqlens``.
+    """
+    if cu_seqlens is None:
+        seqlens = None
+    elif seqlens is None:
+        seqlens = tuple(sequence_lengths(1, 0, cu_seqlens))
     unknown = set(flags) - set(_FLAGS)
     if unknown:
         raise TypeError(f"chunk_kda_triton got unexpected options {sorted(unknown)}")
@@ -64,5 +73,6 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, A_log, dt_bias, initial_state, 
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"{name} must be float16, bfloat16 or float32 for the Triton kernels, got {t.dtype}; "
                             "use KDAKIT_BACKEND=torch for float64")
-    return ChunkKDATritonFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, float(scale),
-                                        bool(output_final_state), checkpoint_every_n_tokens, dict(flags))
+    return ChunkKDATritonFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, seqlens,
+                                        float(scale), bool(output_final_state), checkpoint_every_n_tokens,
+                                        dict(flags))

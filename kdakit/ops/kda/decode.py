@@ -36,11 +36,11 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import select_backend
+from kdakit.ops.kda.chunk_common import gate_mode, round_to_bf16, seq_bounds
 from kdakit.ops.kda.fused_recurrent import (
     beta_mode,
     beta_value,
     check_kernel_layout,
-    gate_mode,
     load_token_raw,
     log_decay,
     qk_activation,
@@ -73,15 +73,6 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # Kernel
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit
-def round_fp32_to_bf16(x):
-    """fp32 -> nearest bf16 (ties to even), kept in fp32. Written out with integer ops so that the
-    Triton interpreter (whose bf16 cast truncates) and the GPU round identically."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
 @triton.jit(do_not_specialize=["T", "P"])
 def _kda_decode_kernel(
     q, k, v, g, beta, A_log, dt_bias, pool, state_indices, num_accepted, o, cu_seqlens,
@@ -97,12 +88,7 @@ def _kda_decode_kernel(
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
 
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -143,7 +129,7 @@ def _kda_decode_kernel(
         b_u = b_beta * (b_v - tl.sum(S * b_k[None, :], axis=1))                           # [BV]
         S = S + b_u[:, None] * b_k[None, :]
         if ROUND_BF16:
-            S = round_fp32_to_bf16(S)
+            S = round_to_bf16(S)
         b_o = scale * tl.sum(S * b_q[None, :], axis=1)                                    # [BV]
         b_o = tl.where(valid, b_o, 0.0)
         tl.store(o + hv_row * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)

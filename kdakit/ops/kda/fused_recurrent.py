@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import select_backend
+from kdakit.ops.kda.chunk_common import gate_mode, seq_bounds
 from kdakit.ops.kda.naive import naive_recurrent_kda
 from kdakit.ops.kda.validate import validate_kda_inputs
 from kdakit.ops.kda.workspace import (
@@ -52,9 +53,7 @@ MAX_HEAD_DIM = 256          # BK = next_pow2(K) lives in registers with a [BK, B
 FWD_BLOCK_V = 16
 FWD_NUM_WARPS = 4
 
-# Gate modes (constexpr GATE).
-GATE_NONE, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
-# Beta modes (constexpr BETA).
+# Beta modes (constexpr BETA); the gate modes (constexpr GATE) are chunk_common's.
 BETA_RAW, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
 
 L2NORM_EPS = 1e-6
@@ -71,12 +70,6 @@ def check_segment_tokens(segment_tokens) -> int:
     if segment_tokens < 1:
         raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
     return segment_tokens
-
-
-def gate_mode(use_gate_in_kernel: bool, lower_bound) -> int:
-    if not use_gate_in_kernel:
-        return GATE_NONE
-    return GATE_SOFTPLUS if lower_bound is None else GATE_LOWER_BOUND
 
 
 def beta_mode(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> int:
@@ -187,12 +180,7 @@ def _recurrent_fwd_kernel(
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
 
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)

@@ -68,13 +68,13 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import select_backend
+from kdakit.ops.kda.chunk_common import gate_mode, seq_bounds
 from kdakit.ops.kda.fused_recurrent import (
     DEFAULT_SEGMENT_TOKENS,
     beta_mode,
     beta_value,
     check_kernel_layout,
     check_segment_tokens,
-    gate_mode,
     launch_recurrent_forward,
     load_qk_token,
     log_decay,
@@ -121,17 +121,6 @@ class KDAGrads(NamedTuple):
 # Kernels
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit
-def _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-    return bos, eos
-
-
 @triton.jit(do_not_specialize=["T", "TT"])
 def _recurrent_bwd_reverse_kernel(
     q, k, g, beta, A_log, dt_bias, do, dht, ud, dv, dh0, x_part, cu_seqlens,
@@ -147,7 +136,7 @@ def _recurrent_bwd_reverse_kernel(
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
-    bos, eos = _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
 
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -205,7 +194,7 @@ def _recurrent_bwd_replay_kernel(
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
-    bos, eos = _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
 
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -268,7 +257,7 @@ def _recurrent_bwd_gate_kernel(
     i_nh = tl.program_id(0)
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    bos, eos = _seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < K
 

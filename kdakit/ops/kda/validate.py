@@ -26,6 +26,9 @@ class KDAShape:
     K: int
     V: int
     N: int  # number of sequences (B, or len(cu_seqlens) - 1)
+    # Tokens per packed sequence, read once from cu_seqlens (a device read for CUDA tensors) so
+    # that later host-side work (the plan) needs no second read; None without cu_seqlens.
+    seqlens: tuple[int, ...] | None = None
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -110,7 +113,7 @@ def validate_kda_inputs(
         if dt_bias.shape[0] != HV * K:
             raise ValueError(f"dt_bias must have shape [HV * K] = [{HV * K}], got {_shape(dt_bias)}")
 
-    N = B
+    N, seqlens = B, None
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, torch.Tensor):
             raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -128,6 +131,7 @@ def validate_kda_inputs(
         if cu[-1] != T:
             raise ValueError(f"cu_seqlens must end at T={T} (q.shape[1]), got {cu[-1]}")
         N = len(cu) - 1
+        seqlens = tuple(b - a for a, b in zip(cu, cu[1:]))
 
     if initial_state is not None:
         _check_tensor("initial_state", initial_state, 4, STATE_DTYPES)
@@ -137,4 +141,4 @@ def validate_kda_inputs(
             raise ValueError(
                 f"initial_state must have shape {layout} = {list(want)} for {N} sequence(s), got {_shape(initial_state)}"
             )
-    return KDAShape(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N)
+    return KDAShape(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, seqlens=seqlens)
