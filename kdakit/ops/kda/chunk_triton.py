@@ -29,25 +29,24 @@ class ChunkKDATritonFunction(torch.autograd.Function):
                         initial_state_dtype=initial_state.dtype if initial_state is not None else torch.float32,
                         output_final_state=output_final_state, gate_params=A_log is not None)
         # One offsets tensor, from the planned lengths (no device read), serves forward and backward.
-        offsets = plan.checkpoint_offsets(q.device)
-        o, final, ckpts = chunk_kda_fwd(
+        o, final, _ = chunk_kda_fwd(
             q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, plan=plan, ckpt_offsets=offsets,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, plan=plan, save_checkpoints=False,
             **flags)
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ckpts, offsets)
-        ctx.plan, ctx.scale, ctx.flags = plan, scale, flags
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        ctx.plan, ctx.scale, ctx.flags, ctx.seqlens = plan, scale, flags, seqlens
         return o, final
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ckpts, offsets = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
         # Autograd hands expanded (stride-0) cotangents for reductions like o.sum(); the kernels
         # read dense rows, so only such a cotangent is materialized.
         if not do.is_contiguous():
             do = do.contiguous()
         dq, dk, dv, dg, dbeta, dA, dbias, dh0 = chunk_kda_bwd(
-            q, k, v, g, beta, do, dht, checkpoints=ckpts, scale=ctx.scale, A_log=A_log, dt_bias=dt_bias,
-            initial_state=initial_state, cu_seqlens=cu_seqlens, plan=ctx.plan, ckpt_offsets=offsets, **ctx.flags)
+            q, k, v, g, beta, do, dht, scale=ctx.scale, A_log=A_log, dt_bias=dt_bias,
+            initial_state=initial_state, cu_seqlens=cu_seqlens, seqlens=ctx.seqlens, **ctx.flags)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
         return dq, dk, dv, dg, dbeta, dA, dbias, dh0, None, None, None, None, None, None

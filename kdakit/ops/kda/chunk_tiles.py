@@ -1,0 +1,469 @@
+"""Triton tiles of one 64-token chunk, shared by the chunk backward's three kernels.
+
+A chunk of ``C = 64`` tokens is handled as whole ``[C, BK]`` register tiles; its pairwise matrices are
+built from ``SUB = 16``-token sub-chunks so that every exponential stays inside float32 range for any
+gate (FLA's numerics):
+
+    G = cumsum(a) over the chunk rows, A[i, j] = sum_c x_i[c] y_j[c] exp(G_i[c] - G_j[c])
+
+* off-diagonal sub-chunk blocks (j in an earlier sub-chunk than i): with the reference
+  ``r_I = G[SUB*I - 1]`` (the last row before sub-chunk I) both ``exp(G_i - r_I)`` and ``exp(r_I - G_j)``
+  are <= 1, so one masked ``[C, BK] x [BK, C]`` dot per sub-chunk I gives those blocks for any gate;
+* diagonal blocks, SAFE (log-decay >= -5 per token): a mid-sub-chunk reference keeps the exponents
+  within +-40, one dot for all four blocks;
+* diagonal blocks, EXACT (any gate, e.g. the unbounded softplus gate): ``exp(G_i - G_j)`` is formed
+  per pair on ``[SUB, SUB, BKS]`` slices of sub-chunk tiles re-read from memory (only differences
+  within a sub-chunk are exponentiated, so -1000 log-decays stay finite).
+
+The gradient of such a matrix follows the same split. Its decay gradient uses the identity
+``dG = x * dx - y * dy`` with the diagonal (i = j) terms left out of the dots: they cancel exactly
+in dG, so they are added to dx and dy separately in fp32 and never enter dG.
+
+``(I + A)^-1`` of a strictly lower ``[C, C]`` matrix: the four ``[SUB, SUB]`` diagonal blocks by
+forward substitution (batched as one ``[4, SUB, SUB]`` tile), the off-diagonal blocks by block
+substitution with exact fp32 dots, stored block by block.
+
+Tiles are fp32; loads upcast; padded tail rows are zero (a = 0, beta = 0, k = q = 0), so they are
+identity steps. Pointer bases are already advanced to the sequence start and head (int64).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kdakit.ops.kda.chunk_common import load_rows, pairwise_exact, round_to_bf16
+
+CHUNK = 64  # tokens per chunk (C)
+SUB = 16  # tokens per sub-chunk (the pairwise matrices' numerically safe block)
+
+
+@triton.jit
+def dot_operand(x, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """A ``tl.dot`` operand: bf16 rounded to nearest when OP_BF16 (the interpreter keeps fp32 but
+    rounds like the GPU), else fp32."""
+    if OP_BF16:
+        if EMULATE_BF16:
+            y = round_to_bf16(x.to(tl.float32))
+        else:
+            y = x.to(tl.bfloat16)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def mm(a, b, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``a @ b`` with fp32 accumulation on operands made by dot_operand."""
+    return tl.dot(dot_operand(a, OP_BF16, EMULATE_BF16), dot_operand(b, OP_BF16, EMULATE_BF16),
+                  input_precision=DOT_PREC)
+
+
+@triton.jit
+def take_row(x, i, BR: tl.constexpr):
+    """Row ``i`` of ``x`` ``[BR, BC]`` -> ``[BC]``."""
+    r = tl.arange(0, BR)
+    return tl.sum(tl.where((r == i)[:, None], x, 0.0), axis=0)
+
+
+# ---------------------------------------------------------------------------------------
+# pairwise matrices of a chunk and their gradients
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mid_reference(G, C: tl.constexpr, SUBC: tl.constexpr):
+    """``[C, BK]``: row i holds G at the middle row of i's sub-chunk."""
+    rows = tl.arange(0, C)
+    ref = tl.zeros_like(G)
+    for I in tl.static_range(C // SUBC):
+        r = take_row(G, SUBC * I + SUBC // 2 - 1, C)
+        ref = tl.where((rows // SUBC == I)[:, None], r[None, :], ref)
+    return ref
+
+
+@triton.jit
+def pairwise_offdiag(x, y, G, C: tl.constexpr, SUBC: tl.constexpr,
+                     OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The off-diagonal sub-chunk blocks of ``A[i, j] = sum_c x_i y_j exp(G_i - G_j)`` (j's sub-chunk
+    before i's), any gate. x, y, G ``[C, BK]`` -> ``[C, C]`` (zero elsewhere)."""
+    rows = tl.arange(0, C)
+    A = tl.zeros([C, C], dtype=tl.float32)
+    for I in tl.static_range(1, C // SUBC):
+        r = take_row(G, SUBC * I - 1, C)  # [BK]
+        inI = (rows // SUBC == I)[:, None]
+        before = (rows < SUBC * I)[:, None]
+        xe = tl.where(inI, x * tl.exp(tl.where(inI, G - r[None, :], 0.0)), 0.0)  # [C, BK], <= |x|
+        ye = tl.where(before, y * tl.exp(tl.where(before, r[None, :] - G, 0.0)), 0.0)  # [C, BK], <= |y|
+        A += mm(xe, tl.trans(ye), OP_BF16, EMULATE_BF16, DOT_PREC)
+    return A
+
+
+@triton.jit
+def pairwise_diag_safe(x, y, G, C: tl.constexpr, SUBC: tl.constexpr, INCLUDE_DIAG: tl.constexpr,
+                       OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Diagonal sub-chunk blocks (causal within each) for a bounded gate (a >= -5). -> ``[C, C]``."""
+    rows = tl.arange(0, C)
+    ref = _mid_reference(G, C, SUBC)
+    A = mm(x * tl.exp(G - ref), tl.trans(y * tl.exp(ref - G)), OP_BF16, EMULATE_BF16, DOT_PREC)
+    same = (rows[:, None] // SUBC) == (rows[None, :] // SUBC)
+    if INCLUDE_DIAG:
+        causal = rows[:, None] >= rows[None, :]
+    else:
+        causal = rows[:, None] > rows[None, :]
+    return tl.where(same & causal, A, 0.0)  # replaced, not multiplied: cross-block garbage cannot leak
+
+
+@triton.jit
+def _embed_block(Bk, I, C: tl.constexpr, SUBC: tl.constexpr):
+    """``[C, C]`` holding ``Bk`` ``[SUBC, SUBC]`` at diagonal block I, zero elsewhere (exact fp32)."""
+    rows = tl.arange(0, C)
+    sub = tl.arange(0, SUBC)
+    P = tl.where(rows[:, None] == SUBC * I + sub[None, :], 1.0, 0.0)  # [C, SUBC]
+    return tl.dot(tl.dot(P, Bk, input_precision="ieee"), tl.trans(P), input_precision="ieee")
+
+
+@triton.jit
+def _diag_block(M, I, C: tl.constexpr, SUBC: tl.constexpr):
+    """Diagonal block I of ``M`` ``[C, C]`` -> ``[SUBC, SUBC]`` (exact fp32)."""
+    rows = tl.arange(0, C)
+    sub = tl.arange(0, SUBC)
+    P = tl.where(rows[:, None] == SUBC * I + sub[None, :], 1.0, 0.0)  # [C, SUBC]
+    return tl.dot(tl.trans(P), tl.dot(M, P, input_precision="ieee"), input_precision="ieee")
+
+
+@triton.jit
+def _embed_rows(Xs, I, C: tl.constexpr, SUBC: tl.constexpr):
+    """``[C, BC]`` holding ``Xs`` ``[SUBC, BC]`` at rows of sub-chunk I (exact fp32)."""
+    rows = tl.arange(0, C)
+    sub = tl.arange(0, SUBC)
+    P = tl.where(rows[:, None] == SUBC * I + sub[None, :], 1.0, 0.0)  # [C, SUBC]
+    return tl.dot(P, Xs, input_precision="ieee")
+
+
+@triton.jit
+def _sub_gate(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, expA, lower_bound,
+              SUBC: tl.constexpr, BKS: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+              stride_bias):
+    """Log-decay of one sub-chunk and key slice ``[SUBC, BKS]`` (0 on padded rows/columns)."""
+    return load_gate(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, expA, lower_bound,
+                     SUBC, BKS, GATE, HAS_BIAS, stride_bias)
+
+
+@triton.jit
+def pairwise_diag_exact(x_base, y_base, rx, ry, g_base, bias_ptr, t0, n_rows, stride_x, stride_g, K,
+                        expA, lower_bound, stride_bias,
+                        C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
+                        GATE: tl.constexpr, HAS_BIAS: tl.constexpr, INCLUDE_DIAG: tl.constexpr):
+    """Diagonal sub-chunk blocks for any gate, from sub-chunk tiles re-read from memory.
+
+    x_base, y_base: raw rows (q or k); rx, ry ``[C]``: their l2norm scales (1 without l2norm).
+    -> ``[C, C]``, zero outside the diagonal blocks.
+    """
+    rows = tl.arange(0, C)
+    sub = tl.arange(0, SUBC)
+    A = tl.zeros([C, C], dtype=tl.float32)
+    for I in tl.static_range(C // SUBC):
+        sel = (rows[None, :] == SUBC * I + sub[:, None])  # [SUBC, C]
+        rxi = tl.sum(tl.where(sel, rx[None, :], 0.0), axis=1)  # [SUBC]
+        ryi = tl.sum(tl.where(sel, ry[None, :], 0.0), axis=1)
+        blk = tl.zeros([SUBC, SUBC], dtype=tl.float32)
+        for ks in tl.static_range(0, BK, BKS):
+            xs = load_rows(x_base, t0 + SUBC * I, n_rows, stride_x, ks, K, SUBC, BKS) * rxi[:, None]
+            ys = load_rows(y_base, t0 + SUBC * I, n_rows, stride_x, ks, K, SUBC, BKS) * ryi[:, None]
+            a_s = _sub_gate(g_base, bias_ptr, t0 + SUBC * I, n_rows, stride_g, ks, K, expA, lower_bound,
+                            SUBC, BKS, GATE, HAS_BIAS, stride_bias)
+            blk += pairwise_exact(xs, ys, tl.cumsum(a_s, axis=0), SUBC, INCLUDE_DIAG)
+        A += _embed_block(blk, I, C, SUBC)
+    return A
+
+
+@triton.jit
+def pairwise_offdiag_bwd(dA, x, y, G, C: tl.constexpr, SUBC: tl.constexpr,
+                         OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Gradient of pairwise_offdiag: dA ``[C, C]`` -> (dx, dy) ``[C, BK]``."""
+    rows = tl.arange(0, C)
+    dx = tl.zeros_like(x)
+    dy = tl.zeros_like(y)
+    for I in tl.static_range(1, C // SUBC):
+        r = take_row(G, SUBC * I - 1, C)  # [BK]
+        inI = (rows // SUBC == I)[:, None]
+        before = (rows < SUBC * I)[:, None]
+        fx = tl.where(inI, tl.exp(tl.where(inI, G - r[None, :], 0.0)), 0.0)  # [C, BK]
+        fy = tl.where(before, tl.exp(tl.where(before, r[None, :] - G, 0.0)), 0.0)
+        dAI = tl.where(inI & tl.trans(before), dA, 0.0)  # rows in I, columns before I
+        dx += fx * mm(dAI, y * fy, OP_BF16, EMULATE_BF16, DOT_PREC)
+        dy += fy * mm(tl.trans(dAI), x * fx, OP_BF16, EMULATE_BF16, DOT_PREC)
+    return dx, dy
+
+
+@triton.jit
+def pairwise_diag_safe_bwd(dA, x, y, G, C: tl.constexpr, SUBC: tl.constexpr,
+                           OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Gradient of the strictly-lower part of pairwise_diag_safe (the i = j terms are the caller's)."""
+    rows = tl.arange(0, C)
+    ref = _mid_reference(G, C, SUBC)
+    ex = tl.exp(G - ref)
+    ey = tl.exp(ref - G)
+    same = (rows[:, None] // SUBC) == (rows[None, :] // SUBC)
+    dAs = tl.where(same & (rows[:, None] > rows[None, :]), dA, 0.0)
+    dx = ex * mm(dAs, y * ey, OP_BF16, EMULATE_BF16, DOT_PREC)
+    dy = ey * mm(tl.trans(dAs), x * ex, OP_BF16, EMULATE_BF16, DOT_PREC)
+    return dx, dy
+
+
+@triton.jit
+def pairwise_diag_exact_bwd(dA, x_base, y_base, rx, ry, g_base, bias_ptr, t0, n_rows, stride_x, stride_g, K,
+                            expA, lower_bound, stride_bias,
+                            C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
+                            GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Gradient of the strictly-lower part of pairwise_diag_exact w.r.t. the normalized x, y.
+
+    Returns (dx, dy) ``[C, BK]``. Exponentials are of within-sub-chunk differences only.
+    """
+    rows = tl.arange(0, C)
+    sub = tl.arange(0, SUBC)
+    cols = tl.arange(0, BK)
+    dx = tl.zeros([C, BK], dtype=tl.float32)
+    dy = tl.zeros([C, BK], dtype=tl.float32)
+    keep = (sub[:, None] > sub[None, :])[:, :, None]  # [SUBC, SUBC, 1] strictly causal
+    for I in tl.static_range(C // SUBC):
+        sel = (rows[None, :] == SUBC * I + sub[:, None])  # [SUBC, C]
+        rxi = tl.sum(tl.where(sel, rx[None, :], 0.0), axis=1)
+        ryi = tl.sum(tl.where(sel, ry[None, :], 0.0), axis=1)
+        dAb = _diag_block(dA, I, C, SUBC)  # [SUBC, SUBC]
+        dxI = tl.zeros([SUBC, BK], dtype=tl.float32)
+        dyI = tl.zeros([SUBC, BK], dtype=tl.float32)
+        for ks in tl.static_range(0, BK, BKS):
+            xs = load_rows(x_base, t0 + SUBC * I, n_rows, stride_x, ks, K, SUBC, BKS) * rxi[:, None]
+            ys = load_rows(y_base, t0 + SUBC * I, n_rows, stride_x, ks, K, SUBC, BKS) * ryi[:, None]
+            a_s = _sub_gate(g_base, bias_ptr, t0 + SUBC * I, n_rows, stride_g, ks, K, expA, lower_bound,
+                            SUBC, BKS, GATE, HAS_BIAS, stride_bias)
+            Gs = tl.cumsum(a_s, axis=0)  # [SUBC, BKS]
+            d = Gs[:, None, :] - Gs[None, :, :]
+            E = tl.where(keep, tl.exp(tl.where(keep, d, 0.0)), 0.0)  # [SUBC, SUBC, BKS]
+            w = dAb[:, :, None] * E
+            dxs = tl.sum(w * ys[None, :, :], axis=1)  # [SUBC, BKS]
+            dys = tl.sum(w * xs[:, None, :], axis=0)  # [SUBC, BKS]
+            # place the slice's columns: [SUBC, BKS] -> [SUBC, BK]
+            Q = tl.where(tl.arange(0, BKS)[:, None] + ks == cols[None, :], 1.0, 0.0)  # [BKS, BK]
+            dxI += tl.dot(dxs, Q, input_precision="ieee")
+            dyI += tl.dot(dys, Q, input_precision="ieee")
+        dx += _embed_rows(dxI, I, C, SUBC)
+        dy += _embed_rows(dyI, I, C, SUBC)
+    return dx, dy
+
+
+# ---------------------------------------------------------------------------------------
+# token transforms of a chunk
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _softplus(x):
+    big = x > 20.0
+    small = x < -15.0
+    xs = tl.where(big | small, 0.0, x)  # keep exp() of the unused branch finite
+    mid = tl.log(1.0 + tl.exp(xs))
+    return tl.where(big, x, tl.where(small, tl.exp(tl.minimum(x, 0.0)), mid))
+
+
+@triton.jit
+def gate_preact(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, stride_bias,
+                BR: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``x = g + dt_bias`` ``[BR, BC]`` fp32 (dt_bias read through its element stride)."""
+    x = load_rows(g_base, t0, n_rows, stride_g, col0, K, BR, BC)
+    if HAS_BIAS:
+        c = col0 + tl.arange(0, BC)
+        bias = tl.load(bias_ptr + c.to(tl.int64) * stride_bias, mask=c < K, other=0.0).to(tl.float32)
+        x = x + bias[None, :]
+    return x
+
+
+@triton.jit
+def gate_from_preact(x, t0, n_rows, col0, K, expA, lower_bound,
+                     BR: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr):
+    """Log-decay from the pre-activation, clamped to >= -110 and exactly 0 on padded rows/columns."""
+    if GATE == 1:
+        a = -expA * _softplus(x)
+    elif GATE == 2:
+        a = lower_bound * tl.sigmoid(expA * x)
+    else:
+        a = x
+    r = t0 + tl.arange(0, BR)
+    c = col0 + tl.arange(0, BC)
+    mask = (r < n_rows)[:, None] & (c < K)[None, :]
+    return tl.where(mask, tl.maximum(a, -110.0), 0.0)
+
+
+@triton.jit
+def load_gate(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, expA, lower_bound,
+              BR: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, stride_bias):
+    x = gate_preact(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, stride_bias, BR, BC, HAS_BIAS)
+    return gate_from_preact(x, t0, n_rows, col0, K, expA, lower_bound, BR, BC, GATE)
+
+
+@triton.jit
+def gate_bwd(da, x, a, expA, lower_bound, GATE: tl.constexpr):
+    """(dx, dA_log element terms) of ``a = gate(x)``; ``a`` is the clamped log-decay (the clamp at
+    -110 has zero gradient)."""
+    if GATE == 1:
+        live = a > -110.0
+        dx = tl.where(live, da * (-expA) * tl.sigmoid(x), 0.0)
+        dlog = tl.where(live, da * a, 0.0)
+    elif GATE == 2:
+        s = tl.sigmoid(expA * x)
+        ds = da * lower_bound * s * (1.0 - s)
+        dx = ds * expA
+        dlog = ds * expA * x
+    else:
+        dx = tl.where(a > -110.0, da, 0.0)
+        dlog = da * 0.0
+    return dx, dlog
+
+
+@triton.jit
+def load_beta(b_base, t0, n_rows, stride_b, BR: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+              NEG_EIGVAL: tl.constexpr):
+    """(activated beta, raw beta) ``[BR]``, both 0 on padded rows."""
+    r = t0 + tl.arange(0, BR)
+    raw = tl.load(b_base + r.to(tl.int64) * stride_b, mask=r < n_rows, other=0.0).to(tl.float32)
+    if BETA_SIGMOID:
+        b = tl.sigmoid(raw)
+        if NEG_EIGVAL:
+            b = 2.0 * b
+    else:
+        b = raw
+    return tl.where(r < n_rows, b, 0.0), raw
+
+
+@triton.jit
+def beta_bwd(db, raw, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    if BETA_SIGMOID:
+        s = tl.sigmoid(raw)
+        d = db * s * (1.0 - s)
+        if NEG_EIGVAL:
+            d = 2.0 * d
+    else:
+        d = db
+    return d
+
+
+@triton.jit
+def load_unit_rows(base, t0, n_rows, stride_row, K, BR: tl.constexpr, BK: tl.constexpr, USE_L2NORM: tl.constexpr):
+    """(x normalized, x raw, rstd ``[BR]``) of q or k rows; rstd = 1 without l2norm."""
+    x = load_rows(base, t0, n_rows, stride_row, 0, K, BR, BK)
+    if USE_L2NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)
+    else:
+        rstd = tl.zeros([BR], dtype=tl.float32) + 1.0
+    return x * rstd[:, None], rstd
+
+
+@triton.jit
+def l2norm_bwd(dxn, xn, rstd, USE_L2NORM: tl.constexpr):
+    if USE_L2NORM:
+        d = rstd[:, None] * (dxn - xn * tl.sum(dxn * xn, axis=1)[:, None])
+    else:
+        d = dxn
+    return d
+
+
+# ---------------------------------------------------------------------------------------
+# (I + A)^-1 of a strictly lower [C, C] matrix, by sub-chunk blocks
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _blocks(M, C: tl.constexpr, SUBC: tl.constexpr):
+    """All sub-chunk blocks of M ``[C, C]`` as ``[C//SUBC, C//SUBC, SUBC, SUBC]``-indexable pieces:
+    returns M reshaped to ``[NB, SUBC, NB, SUBC]``."""
+    return tl.reshape(M, (C // SUBC, SUBC, C // SUBC, SUBC))
+
+
+@triton.jit
+def _block(M4, I: tl.constexpr, J: tl.constexpr, NB: tl.constexpr):
+    """Block (I, J) ``[SUBC, SUBC]`` of a ``[NB, SUBC, NB, SUBC]`` tile."""
+    bi = tl.arange(0, NB)
+    x = tl.sum(tl.where((bi == I)[:, None, None, None], M4, 0.0), axis=0)  # [SUBC, NB, SUBC]
+    return tl.sum(tl.where((bi == J)[None, :, None], x, 0.0), axis=1)  # [SUBC, SUBC]
+
+
+@triton.jit
+def _unit_lower_inverse_batched(A3, NB: tl.constexpr, SUBC: tl.constexpr):
+    """``(I + A_b)^-1`` for each strictly lower ``A_b`` of ``A3`` ``[NB, SUBC, SUBC]`` (forward
+    substitution, SUBC - 1 dependent steps shared by the NB blocks)."""
+    r = tl.arange(0, SUBC)
+    X = -A3
+    for i in tl.static_range(1, SUBC):
+        row = tl.sum(tl.where((r == i)[None, :, None], X, 0.0), axis=1)  # [NB, SUBC] = -A_i
+        row = row + tl.sum(row[:, :, None] * X, axis=1)  # rows j < i of X are final; columns >= i of row are 0
+        X = tl.where((r == i)[None, :, None], row[:, None, :], X)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    return X + eye[None, :, :]
+
+
+@triton.jit
+def _mm32(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def store_unit_lower_inverse(A, out_base, t0, n_rows, stride_row, C: tl.constexpr, SUBC: tl.constexpr,
+                             EMULATE_BF16: tl.constexpr):
+    """Store ``(I + A)^-1`` (A strictly lower ``[C, C]``, C = 4 SUBC) into rows ``t0 + i`` columns j of
+    ``out`` (row i of the chunk holds row i of the inverse; blocks above the diagonal are not written)."""
+    NB: tl.constexpr = C // SUBC
+    M4 = _blocks(A, C, SUBC)
+    bi = tl.arange(0, NB)
+    # diagonal blocks [NB, SUBC, SUBC]
+    D = tl.sum(tl.where((bi[:, None] == bi[None, :])[:, None, :, None], M4, 0.0), axis=2)
+    Tdiag = _unit_lower_inverse_batched(D, NB, SUBC)
+    T00 = tl.sum(tl.where((bi == 0)[:, None, None], Tdiag, 0.0), axis=0)
+    T11 = tl.sum(tl.where((bi == 1)[:, None, None], Tdiag, 0.0), axis=0)
+    T22 = tl.sum(tl.where((bi == 2)[:, None, None], Tdiag, 0.0), axis=0)
+    T33 = tl.sum(tl.where((bi == 3)[:, None, None], Tdiag, 0.0), axis=0)
+    A10 = _block(M4, 1, 0, NB)
+    A20 = _block(M4, 2, 0, NB)
+    A21 = _block(M4, 2, 1, NB)
+    A30 = _block(M4, 3, 0, NB)
+    A31 = _block(M4, 3, 1, NB)
+    A32 = _block(M4, 3, 2, NB)
+    # T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ
+    T10 = -_mm32(T11, _mm32(A10, T00))
+    T21 = -_mm32(T22, _mm32(A21, T11))
+    T32 = -_mm32(T33, _mm32(A32, T22))
+    T20 = -_mm32(T22, _mm32(A20, T00) + _mm32(A21, T10))
+    T31 = -_mm32(T33, _mm32(A31, T11) + _mm32(A32, T21))
+    T30 = -_mm32(T33, _mm32(A30, T00) + _mm32(A31, T10) + _mm32(A32, T20))
+    _store_block(out_base, T00, t0, 0, 0, n_rows, stride_row, SUBC, EMULATE_BF16)
+    _store_block(out_base, T10, t0, 1, 0, n_rows, stride_row, SUBC, EMULATE_BF16)
+    _store_block(out_base, T11, t0, 1, 1, n_rows, stride_row, SUBC, EMULATE_BF16)
+    _store_block(out_base, T20, t0, 2, 0, n_rows, stride_row, SUBC, EMULATE_BF16)
+    _store_block(out_base, T21, t0, 2, 1, n_rows, stride_row, SUBC, EMULATE_BF16)
+    _store_block(out_base, T22, t0, 2, 2, n_rows, stride_row, SUBC, EMULATE_BF16)
+    _store_block(out_base, T30, t0, 3, 0, n_rows, stride_row, SUBC, EMULATE_BF16)
+    _store_block(out_base, T31, t0, 3, 1, n_rows, stride_row, SUBC, EMULATE_BF16)
+    _store_block(out_base, T32, t0, 3, 2, n_rows, stride_row, SUBC, EMULATE_BF16)
+    _store_block(out_base, T33, t0, 3, 3, n_rows, stride_row, SUBC, EMULATE_BF16)
+
+
+@triton.jit
+def _store_block(out_base, X, t0, I: tl.constexpr, J: tl.constexpr, n_rows, stride_row, SUBC: tl.constexpr,
+                 EMULATE_BF16: tl.constexpr):
+    r = t0 + SUBC * I + tl.arange(0, SUBC)
+    c = SUBC * J + tl.arange(0, SUBC)
+    if EMULATE_BF16:
+        X = round_to_bf16(X)
+    ptrs = out_base + r.to(tl.int64)[:, None] * stride_row + c[None, :]
+    tl.store(ptrs, X.to(out_base.dtype.element_ty), mask=(r < n_rows)[:, None])
+
+
+@triton.jit
+def load_unit_lower(base, t0, n_rows, stride_row, C: tl.constexpr):
+    """The stored inverse ``[C, C]`` fp32 (lower triangle incl. the diagonal; zero above and on padded rows)."""
+    r = tl.arange(0, C)
+    rr = t0 + r
+    keep = (rr < n_rows)[:, None] & (r[:, None] >= r[None, :])
+    ptrs = base + rr.to(tl.int64)[:, None] * stride_row + r[None, :]
+    return tl.load(ptrs, mask=keep, other=0.0).to(tl.float32)
