@@ -1,7 +1,7 @@
 """One cell of ``kdakit mem measure``: one backend at one shape, in a fresh process.
 
 Run by :mod:`kdakit.memory.measure` as ``python -m kdakit.memory.measure_worker ...``;
-prints progress on stderr and, last on stdout, one line ``KDAKIT_MEM_RESULT {json}``.
+prints progress on stderr and, on stdout, one line ``KDAKIT_MEM_RESULT {json}`` per cell.
 
 The SPEC §3 protocol, step by step:
 
@@ -10,15 +10,35 @@ The SPEC §3 protocol, step by step:
    for ``kdakit`` and ``torch`` for ``reference`` (no silent switch between them).
 2. Inputs from a generator seeded identically for every backend: bf16 q, k, v, raw g,
    raw beta and dO; fp32 zero A_log and dt_bias; ``mbs`` equal sequences packed with
-   cu_seqlens; all seven inputs differentiated; in-kernel l2norm, beta sigmoid and safe
-   gate with lower bound -5; no initial or final state.
-3. Warm-up outside the measurement: one step at a small shape (compilation, autotuning),
-   then ``warmup_iters`` steps at the target shape; outputs and gradients released.
+   cu_seqlens (and the same offsets on the host as ``cu_seqlens_cpu``, passed to both
+   backends unless ``--no-cu-seqlens-cpu``); all seven inputs differentiated; in-kernel
+   l2norm, beta sigmoid and safe gate with lower bound -5; no initial or final state.
+   Beyond SPEC §3 (defaults unchanged): ``--value-heads HV`` for grouped value heads
+   (q/k have ``--heads`` H heads; v, g, beta, A_log, dt_bias, dO have HV) and
+   ``--gate softplus`` (``use_gate_in_kernel=True, safe_gate=False, lower_bound=None``
+   with A_log and dt_bias given: the unbounded gate).
+3. Warm-up outside the measurement: one forward+backward at a small shape (1 x
+   ``warmup_seq`` tokens, default 1024: compilation, autotuning), then ``warmup_iters``
+   steps at the target shape; outputs and gradients released. The allocator cache is
+   *not* emptied after the small step, so the reserved figure is that of a process in
+   which a 1K-token call ran first (as a training job that sees several lengths).
 4. Three measured steps: ``reset_peak_memory_stats``; forward; ``o.backward(dO)``;
    synchronize; read ``max_memory_allocated`` / ``max_memory_reserved``. Finite checks run
    after the reading, in small slices so they barely touch the allocator.
-5. Timing after the memory runs: CUDA events around the forward and around
-   forward+backward, median of ``timing_runs`` runs after one untimed run.
+5. Timing after the memory runs, identical for every backend (each called through its
+   public ``chunk_kda``, host-side validation included in the timed interval): CUDA events
+   around the forward with autograd recording (``fwd_ms``), around the forward under
+   ``torch.no_grad()`` (``fwd_nograd_ms``) and around forward+backward (``fwd_bwd_ms``),
+   each the median of ``timing_runs`` runs after one untimed run, from a synchronized,
+   idle device. ``*_host_ms``: host time until the call returned (launch-bound if close
+   to the event time).
+6. Last, ``torch.cuda.empty_cache()`` and one more forward+backward: ``peak_reserved_clean_gib``
+   is the reserved peak without the small warm-up's cached blocks.
+
+``--cells A,B,...`` runs several cells in one process, one after the other (releasing
+everything and emptying the allocator cache between cells, each with its own small warm-up);
+each record then says ``"process": "shared"``. ``--warmup-only`` runs only the small warm-up
+and one step at the cell's shape (compilation and autotuning for later processes; no figures).
 
 An out-of-memory error anywhere ends the cell with status ``oom`` (the peak reached so far
 is reported); any other exception with status ``error``. ``--device cpu --dry-run`` runs

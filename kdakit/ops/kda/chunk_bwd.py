@@ -124,15 +124,15 @@ def _pairwise_bwd(dA, x, y, G, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq
                   lower_bound, stride_bias, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr,
                   BKS: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr,
                   OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    """(dx, dy) through the strictly-lower pairwise terms (the diagonal is the caller's)."""
-    dx, dy = pairwise_offdiag_bwd(dA, x, y, G, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
+    """(dx, dy, dG) through the strictly-lower pairwise terms (the diagonal is the caller's)."""
+    dx, dy, dG = pairwise_offdiag_bwd(dA, x, y, G, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
     if SAFE:
-        ddx, ddy = pairwise_diag_safe_bwd(dA, x, y, G, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
+        ddx, ddy, ddG = pairwise_diag_safe_bwd(dA, x, y, G, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
     else:
-        ddx, ddy = pairwise_diag_exact_bwd(dA, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x,
+        ddx, ddy, ddG = pairwise_diag_exact_bwd(dA, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x,
                                            stride_g, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE,
                                            HAS_BIAS)
-    return dx + ddx, dy + ddy
+    return dx + ddx, dy + ddy, dG + ddG
 
 
 @triton.jit
@@ -412,15 +412,15 @@ def chunk_kda_bwd_grads_kernel(
         db += tl.sum(dAm * Akk, axis=1)
         dAkk = dAm * bt[:, None]
 
-        dq1, dk1 = _pairwise_bwd(dAqk, qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K,
+        dq1, dk1, dG1 = _pairwise_bwd(dAqk, qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K,
                                  HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE,
                                  OP_BF16, EMULATE_BF16, DOT_PREC)
-        dk2, dk3 = _pairwise_bwd(dAkk, kn, kn, G, k_base, k_base, rk, rk, g_base, bias_ptr, t0, seq_len, H * K,
+        dk2, dk3, dG2 = _pairwise_bwd(dAkk, kn, kn, G, k_base, k_base, rk, rk, g_base, bias_ptr, t0, seq_len, H * K,
                                  HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE,
                                  OP_BF16, EMULATE_BF16, DOT_PREC)
-        # decay gradient: dG = x dx - y dy of each pairwise matrix (its i = j terms cancel exactly and are
+        # decay gradient: x dx - y dy of each pairwise matrix (its i = j terms cancel exactly and are
         # left out), plus the Γ, kd and exp(g_C) factors
-        dG = qn * dq1 - kn * dk1 + kn * (dk2 - dk3) + qg * dqg + kg * dkg - kd * dkd
+        dG = dG1 + dG2 + qg * dqg + kg * dkg - kd * dkd
         dgc += tl.sum(kd * dkd, axis=0)
         da = tl.where(real[:, None], tl.cumsum(dG, axis=0, reverse=True) + dgc[None, :], 0.0)
         dx, dlog = gate_bwd(da, x, a, expA, lower_bound, GATE)
@@ -559,11 +559,16 @@ def chunk_kda_bwd(
     hs = torch.empty((NT, HV, K, V), dtype=slot_dtype, device=dev)
     dhs = torch.empty((NT, HV, K, V), dtype=slot_dtype, device=dev)
 
+    import os
+    gcommon = dict(common)
+    if os.environ.get("XG"): gcommon["OP_BF16"] = False
+    pcommon = dict(common)
+    if os.environ.get("XP"): pcommon["OP_BF16"] = False
     if NT * HV > 0:
         chunk_kda_bwd_prep_kernel[(NT, HV)](
             q, k, g, beta, A_log, dt_bias, do, tinv, dhs, cu_seqlens, pairs,
             float(scale), lb, T, H, HV, NTS, stride_alog, stride_bias,
-            K=K, V=V, C=C, SUBC=SUB, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), SAFE=safe, **common,
+            K=K, V=V, C=C, SUBC=SUB, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), SAFE=safe, **pcommon,
             num_warps=PREP_NUM_WARPS, num_stages=1,
         )
     if N * HV > 0:
@@ -582,7 +587,7 @@ def chunk_kda_bwd(
             q, k, v, g, beta, A_log, dt_bias, do, tinv, hs, dhs,
             dq, dk, dv, dg, dbeta, dA_part, dbias_part, cu_seqlens, pairs,
             float(scale), lb, T, H, HV, NTS, stride_alog, stride_bias,
-            K=K, V=V, C=C, SUBC=SUB, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), GROUP=HV // H, SAFE=safe, **common,
+            K=K, V=V, C=C, SUBC=SUB, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), GROUP=HV // H, SAFE=safe, **gcommon,
             num_warps=GRADS_NUM_WARPS, num_stages=1,
         )
     del tinv, hs, dhs, pairs, firsts

@@ -181,35 +181,50 @@ def pairwise_diag_exact(x_base, y_base, rx, ry, g_base, bias_ptr, t0, n_rows, st
 @triton.jit
 def pairwise_offdiag_bwd(dA, x, y, G, C: tl.constexpr, SUBC: tl.constexpr,
                          OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Gradient of pairwise_offdiag: dA ``[C, C]`` -> (dx, dy) ``[C, BK]``."""
+    """Gradient of pairwise_offdiag: dA ``[C, C]`` -> (dx, dy, dG) ``[C, BK]``.
+
+    dG multiplies the dots' results by the very operands (rounded as the dots saw them) that the other
+    side's dot used, so each pair's two terms cancel exactly in the decay gradient's running sums
+    whatever the operand rounding: bf16 operands then perturb the inputs, not the cancellation.
+    """
     rows = tl.arange(0, C)
     dx = tl.zeros_like(x)
     dy = tl.zeros_like(y)
+    dG = tl.zeros_like(x)
+    dAo = dot_operand(dA, OP_BF16, EMULATE_BF16)
     for I in tl.static_range(1, C // SUBC):
         r = take_row(G, SUBC * I - 1, C)  # [BK]
         inI = (rows // SUBC == I)[:, None]
         before = (rows < SUBC * I)[:, None]
         fx = tl.where(inI, tl.exp(tl.where(inI, G - r[None, :], 0.0)), 0.0)  # [C, BK]
         fy = tl.where(before, tl.exp(tl.where(before, r[None, :] - G, 0.0)), 0.0)
-        dAI = tl.where(inI & tl.trans(before), dA, 0.0)  # rows in I, columns before I
-        dx += fx * mm(dAI, y * fy, OP_BF16, EMULATE_BF16, DOT_PREC)
-        dy += fy * mm(tl.trans(dAI), x * fx, OP_BF16, EMULATE_BF16, DOT_PREC)
-    return dx, dy
+        xe = dot_operand(x * fx, OP_BF16, EMULATE_BF16)
+        ye = dot_operand(y * fy, OP_BF16, EMULATE_BF16)
+        dAI = tl.where(inI & tl.trans(before), dAo, 0.0)  # rows in I, columns before I
+        D1 = tl.dot(dAI, ye, input_precision=DOT_PREC)  # [C, BK]
+        D2 = tl.dot(tl.trans(dAI), xe, input_precision=DOT_PREC)
+        dx += fx * D1
+        dy += fy * D2
+        dG += xe.to(tl.float32) * D1 - ye.to(tl.float32) * D2
+    return dx, dy, dG
 
 
 @triton.jit
 def pairwise_diag_safe_bwd(dA, x, y, G, C: tl.constexpr, SUBC: tl.constexpr,
                            OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Gradient of the strictly-lower part of pairwise_diag_safe (the i = j terms are the caller's)."""
+    """Gradient of the strictly-lower part of pairwise_diag_safe (the i = j terms are the caller's):
+    (dx, dy, dG) as in pairwise_offdiag_bwd."""
     rows = tl.arange(0, C)
     ref = _mid_reference(G, C, SUBC)
     ex = tl.exp(G - ref)
     ey = tl.exp(ref - G)
     same = (rows[:, None] // SUBC) == (rows[None, :] // SUBC)
-    dAs = tl.where(same & (rows[:, None] > rows[None, :]), dA, 0.0)
-    dx = ex * mm(dAs, y * ey, OP_BF16, EMULATE_BF16, DOT_PREC)
-    dy = ey * mm(tl.trans(dAs), x * ex, OP_BF16, EMULATE_BF16, DOT_PREC)
-    return dx, dy
+    dAs = dot_operand(tl.where(same & (rows[:, None] > rows[None, :]), dA, 0.0), OP_BF16, EMULATE_BF16)
+    xe = dot_operand(x * ex, OP_BF16, EMULATE_BF16)
+    ye = dot_operand(y * ey, OP_BF16, EMULATE_BF16)
+    D1 = tl.dot(dAs, ye, input_precision=DOT_PREC)
+    D2 = tl.dot(tl.trans(dAs), xe, input_precision=DOT_PREC)
+    return ex * D1, ey * D2, xe.to(tl.float32) * D1 - ye.to(tl.float32) * D2
 
 
 @triton.jit
@@ -219,13 +234,15 @@ def pairwise_diag_exact_bwd(dA, x_base, y_base, rx, ry, g_base, bias_ptr, t0, n_
                             GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Gradient of the strictly-lower part of pairwise_diag_exact w.r.t. the normalized x, y.
 
-    Returns (dx, dy) ``[C, BK]``. Exponentials are of within-sub-chunk differences only.
+    Returns (dx, dy, dG) ``[C, BK]`` (fp32 throughout). Exponentials are of within-sub-chunk
+    differences only.
     """
     rows = tl.arange(0, C)
     sub = tl.arange(0, SUBC)
     cols = tl.arange(0, BK)
     dx = tl.zeros([C, BK], dtype=tl.float32)
     dy = tl.zeros([C, BK], dtype=tl.float32)
+    dG = tl.zeros([C, BK], dtype=tl.float32)
     keep = (sub[:, None] > sub[None, :])[:, :, None]  # [SUBC, SUBC, 1] strictly causal
     for I in tl.static_range(C // SUBC):
         sel = (rows[None, :] == SUBC * I + sub[:, None])  # [SUBC, C]
@@ -234,6 +251,7 @@ def pairwise_diag_exact_bwd(dA, x_base, y_base, rx, ry, g_base, bias_ptr, t0, n_
         dAb = _diag_block(dA, I, C, SUBC)  # [SUBC, SUBC]
         dxI = tl.zeros([SUBC, BK], dtype=tl.float32)
         dyI = tl.zeros([SUBC, BK], dtype=tl.float32)
+        dGI = tl.zeros([SUBC, BK], dtype=tl.float32)
         for ks in tl.static_range(0, BK, BKS):
             xs = load_rows(x_base, t0 + SUBC * I, n_rows, stride_x, ks, K, SUBC, BKS) * rxi[:, None]
             ys = load_rows(y_base, t0 + SUBC * I, n_rows, stride_x, ks, K, SUBC, BKS) * ryi[:, None]
@@ -249,9 +267,11 @@ def pairwise_diag_exact_bwd(dA, x_base, y_base, rx, ry, g_base, bias_ptr, t0, n_
             Q = tl.where(tl.arange(0, BKS)[:, None] + ks == cols[None, :], 1.0, 0.0)  # [BKS, BK]
             dxI += tl.dot(dxs, Q, input_precision="ieee")
             dyI += tl.dot(dys, Q, input_precision="ieee")
+            dGI += tl.dot(xs * dxs - ys * dys, Q, input_precision="ieee")
         dx += _embed_rows(dxI, I, C, SUBC)
         dy += _embed_rows(dyI, I, C, SUBC)
-    return dx, dy
+        dG += _embed_rows(dGI, I, C, SUBC)
+    return dx, dy, dG
 
 
 # ---------------------------------------------------------------------------------------
