@@ -37,6 +37,7 @@ from kdakit.ops.kda.chunk_tiles import (
     CHUNK,
     SUB,
     beta_bwd,
+    dot_operand,
     gate_bwd,
     gate_from_preact,
     gate_preact,
@@ -62,6 +63,7 @@ PREP_NUM_WARPS = 4
 STATES_NUM_WARPS = 4
 GRADS_NUM_WARPS = 8
 STATES_BLOCK_V = 64
+GRADS_BLOCK_V = 64  # the gradient kernel's V loop step
 
 
 # ---------------------------------------------------------------------------------------
@@ -329,114 +331,160 @@ def chunk_kda_bwd_states_kernel(
 
 
 @triton.jit
+def _value_head_grads(
+    q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, hs, dhs, dv, dg, dbeta, dA_part, dbias_part,
+    i_t, i_hv, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BVS: tl.constexpr, BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
+    OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One value head of one chunk: writes dv, dg, dbeta and the parameter partials; returns this head's
+    (dq, dk) w.r.t. the normalized q, k ``[C, BK]``. Tiles that are not needed across the V loop are
+    recomputed after it (q, k, G: cheap reloads) to keep registers for the loop's accumulators."""
+    rows = tl.arange(0, C)
+    real = (t0 + rows) < seq_len  # [C]
+    causal = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    cols = tl.arange(0, BK)
+    tok_k = (bos * HV + i_hv) * K
+    tok_v = (bos * HV + i_hv) * V
+    g_base = g + tok_k
+    bias_ptr = bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS)
+    expA = gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG)
+    bt, braw = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
+
+    # ---- operands of the V loop (bf16 with OP_BF16)
+    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)  # [C, BK], [C]
+    kn, rk = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
+    a = load_gate(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, expA, lower_bound, C, BK, GATE, HAS_BIAS, stride_bias)
+    G = tl.cumsum(a, axis=0)
+    gcs = tl.sum(a, axis=0)  # [BK]
+    Aqk = dot_operand(_pairwise(qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K,
+                                expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, True,
+                                OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16)  # [C, C]
+    Ti = dot_operand(load_unit_lower(tinv + (bos * HV + i_hv) * C, t0, seq_len, HV * C, C), OP_BF16, EMULATE_BF16)
+    W = dot_operand(mm(Ti, kn * tl.exp(G) * bt[:, None], OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16)
+    kd = dot_operand(kn * tl.where(real[:, None], tl.exp(gcs[None, :] - G), 0.0), OP_BF16, EMULATE_BF16)
+
+    # ---- the V loop: products with the state S entering the chunk and the state gradient dS' leaving it
+    dqg = tl.zeros([C, BK], dtype=tl.float32)  # d(qΓ)
+    dkd = tl.zeros([C, BK], dtype=tl.float32)
+    dW = tl.zeros([C, BK], dtype=tl.float32)
+    dAqk = tl.zeros([C, C], dtype=tl.float32)
+    dTi = tl.zeros([C, C], dtype=tl.float32)
+    db = tl.zeros([C], dtype=tl.float32)
+    dgc = tl.zeros([BK], dtype=tl.float32)
+    slot = (i_t * HV + i_hv) * (K * V)
+    for v0 in tl.static_range(0, BV, BVS):
+        h = load_matrix(hs + slot, V, 1, K, V, v0, BK, BVS)  # [BK, BVS]
+        dhn = load_matrix(dhs + slot, V, 1, K, V, v0, BK, BVS)
+        dgc += tl.sum(h * dhn, axis=1)
+        ho = dot_operand(h, OP_BF16, EMULATE_BF16)
+        dho = dot_operand(dhn, OP_BF16, EMULATE_BF16)
+        vt = load_rows(v + tok_v, t0, seq_len, HV * V, v0, V, C, BVS)  # [C, BVS]
+        sdo = dot_operand(scale * load_rows(do + tok_v, t0, seq_len, HV * V, v0, V, C, BVS), OP_BF16, EMULATE_BF16)
+        vb = dot_operand(vt * bt[:, None], OP_BF16, EMULATE_BF16)
+        vn = dot_operand(tl.dot(Ti, vb, input_precision=DOT_PREC) - tl.dot(W, ho, input_precision=DOT_PREC),
+                         OP_BF16, EMULATE_BF16)  # V' [C, BVS]
+        dqg += tl.dot(sdo, tl.trans(ho), input_precision=DOT_PREC)
+        dkd += tl.dot(vn, tl.trans(dho), input_precision=DOT_PREC)
+        dAqk += tl.dot(sdo, tl.trans(vn), input_precision=DOT_PREC)
+        dvn = dot_operand(tl.dot(tl.trans(Aqk), sdo, input_precision=DOT_PREC)
+                          + tl.dot(kd, dho, input_precision=DOT_PREC), OP_BF16, EMULATE_BF16)  # dV'
+        dW -= tl.dot(dvn, tl.trans(ho), input_precision=DOT_PREC)
+        dXv = tl.dot(tl.trans(Ti), dvn, input_precision=DOT_PREC)  # [C, BVS]
+        db += tl.sum(vt * dXv, axis=1)
+        dTi += tl.dot(dvn, tl.trans(vb), input_precision=DOT_PREC)
+        store_rows(dv + tok_v, dXv * bt[:, None], t0, seq_len, HV * V, v0, V, C, BVS)
+    dgc = dgc * tl.exp(gcs)
+    dAqk = tl.where(causal, dAqk, 0.0)
+
+    # ---- W = Tinv (beta kΓ), Tinv = (I + A)^-1 with A = beta Akk: dA = -Tinv^T dTinv Tinv^T (strictly lower)
+    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
+    kn, rk = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
+    x = gate_preact(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, stride_bias, C, BK, HAS_BIAS)  # [C, BK]
+    a = gate_from_preact(x, t0, seq_len, 0, K, expA, lower_bound, C, BK, GATE)
+    G = tl.cumsum(a, axis=0)
+    gam = tl.exp(G)
+    edec = tl.where(real[:, None], tl.exp(gcs[None, :] - G), 0.0)
+    kg = kn * gam
+    dXk = tl.dot(tl.trans(Ti), dot_operand(dW, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)  # [C, BK]
+    db += tl.sum(kg * dXk, axis=1)
+    dTi += mm(dW, tl.trans(kg * bt[:, None]), OP_BF16, EMULATE_BF16, DOT_PREC)
+    dAm = -mm(tl.trans(Ti), mm(dTi, tl.trans(Ti), OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16,
+              DOT_PREC)
+    dAm = tl.where(strict, dAm, 0.0)
+    Akk = _pairwise(kn, kn, G, k_base, k_base, rk, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
+                    lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, False,
+                    OP_BF16, EMULATE_BF16, DOT_PREC)
+    db += tl.sum(dAm * Akk, axis=1)
+
+    # ---- pairwise terms; decay gradient dG = x dx - y dy of each pairwise matrix (its i = j terms
+    # cancel exactly and are left out), plus the Γ, kd and exp(g_C) factors
+    dq1, dk1, dG = _pairwise_bwd(dAqk, qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K,
+                                 HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE,
+                                 OP_BF16, EMULATE_BF16, DOT_PREC)
+    dk2, dk3, dG2 = _pairwise_bwd(dAm * bt[:, None], kn, kn, G, k_base, k_base, rk, rk, g_base, bias_ptr, t0,
+                                  seq_len, H * K, HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE,
+                                  HAS_BIAS, SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
+    dkg = dXk * bt[:, None]
+    kdf = kn * edec
+    dG += dG2 + qn * gam * dqg + kg * dkg - kdf * dkd
+    dgc += tl.sum(kdf * dkd, axis=0)
+    da = tl.where(real[:, None], tl.cumsum(dG, axis=0, reverse=True) + dgc[None, :], 0.0)
+    dx, dlog = gate_bwd(da, x, a, expA, lower_bound, GATE)
+    store_rows(dg + tok_k, dx, t0, seq_len, HV * K, 0, K, C, BK)
+    if HAS_A_LOG:
+        tl.store(dA_part + i_t * HV + i_hv, tl.sum(tl.sum(dlog, axis=1), axis=0))
+    if HAS_BIAS:
+        tl.store(dbias_part + (i_t * HV + i_hv) * K + cols, tl.sum(dx, axis=0), mask=cols < K)
+    r_b = (bos + t0 + rows).to(tl.int64)
+    tl.store(dbeta + r_b * HV + i_hv, beta_bwd(db, braw, BETA_SIGMOID, NEG_EIGVAL).to(dbeta.dtype.element_ty),
+             mask=real)
+    # the diagonal of Aqk (exp(0) = 1): Aqk_ii = q_i . k_i
+    dd = tl.sum(tl.where(rows[:, None] == rows[None, :], dAqk, 0.0), axis=1)  # [C]
+    dqn = dqg * gam + dq1 + dd[:, None] * kn
+    dkn = dkg * gam + dkd * edec + dk1 + dk2 + dk3 + dd[:, None] * qn
+    return dqn, dkn
+
+
+@triton.jit
 def chunk_kda_bwd_grads_kernel(
     q, k, v, g, beta, A_log, dt_bias, do, tinv, hs, dhs,
     dq, dk, dv, dg, dbeta, dA_part, dbias_part, cu_seqlens, chunk_table,
     scale, lower_bound, T, H, HV, NTS, stride_alog, stride_bias,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BKS: tl.constexpr, GROUP: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+    BVS: tl.constexpr, BKS: tl.constexpr, GROUP: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+    SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
     q_base = q + (bos * H + i_h) * K
     k_base = k + (bos * H + i_h) * K
-    rows = tl.arange(0, C)
-    real = (t0 + rows) < seq_len  # [C]
-    causal = rows[:, None] >= rows[None, :]
-    strict = rows[:, None] > rows[None, :]
-    cols = tl.arange(0, BK)
-
-    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)  # [C, BK], [C]
+    if GROUP == 1:
+        dqn, dkn = _value_head_grads(
+            q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, hs, dhs, dv, dg, dbeta, dA_part, dbias_part,
+            i_t, i_h, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
+            K, V, C, SUBC, BK, BV, BVS, BKS, GATE, HAS_A_LOG, HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL, SAFE,
+            OP_BF16, EMULATE_BF16, DOT_PREC)
+    else:
+        # grouped value heads share this q/k head: their dq, dk are summed here, written once
+        dqn = tl.zeros([C, BK], dtype=tl.float32)
+        dkn = tl.zeros([C, BK], dtype=tl.float32)
+        for j in range(GROUP):
+            dqj, dkj = _value_head_grads(
+                q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, hs, dhs, dv, dg, dbeta, dA_part, dbias_part,
+                i_t, i_h * GROUP + j, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
+                K, V, C, SUBC, BK, BV, BVS, BKS, GATE, HAS_A_LOG, HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL,
+                SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
+            dqn += dqj
+            dkn += dkj
+    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
     kn, rk = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
-    dqn = tl.zeros([C, BK], dtype=tl.float32)
-    dkn = tl.zeros([C, BK], dtype=tl.float32)
-    for j in range(GROUP):
-        i_hv = i_h * GROUP + j
-        tok_k = (bos * HV + i_hv) * K
-        tok_v = (bos * HV + i_hv) * V
-        g_base = g + tok_k
-        bias_ptr = bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS)
-        expA = gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG)
-
-        x = gate_preact(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, stride_bias, C, BK, HAS_BIAS)  # [C, BK]
-        a = gate_from_preact(x, t0, seq_len, 0, K, expA, lower_bound, C, BK, GATE)
-        G = tl.cumsum(a, axis=0)
-        gcs = tl.sum(a, axis=0)  # [BK]
-        bt, braw = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)
-        gam = tl.exp(G)
-        edec = tl.where(real[:, None], tl.exp(gcs[None, :] - G), 0.0)
-        egc = tl.exp(gcs)
-        qg = qn * gam
-        kg = kn * gam
-        kd = kn * edec
-        kgb = kg * bt[:, None]
-
-        Aqk = _pairwise(qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
-                        lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, True,
-                        OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, C]
-        Akk = _pairwise(kn, kn, G, k_base, k_base, rk, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
-                        lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, False,
-                        OP_BF16, EMULATE_BF16, DOT_PREC)
-        Ti = load_unit_lower(tinv + (bos * HV + i_hv) * C, t0, seq_len, HV * C, C)
-        W = mm(Ti, kgb, OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, BK]
-
-        slot = (i_t * HV + i_hv) * (K * V)
-        h = load_matrix(hs + slot, V, 1, K, V, 0, BK, BV)  # [BK, BV] state entering the chunk
-        dhn = load_matrix(dhs + slot, V, 1, K, V, 0, BK, BV)  # [BK, BV] state gradient leaving it
-        vt = load_rows(v + tok_v, t0, seq_len, HV * V, 0, V, C, BV)  # [C, BV]
-        sdo = scale * load_rows(do + tok_v, t0, seq_len, HV * V, 0, V, C, BV)
-        vb = vt * bt[:, None]
-        vn = mm(Ti, vb, OP_BF16, EMULATE_BF16, DOT_PREC) - mm(W, h, OP_BF16, EMULATE_BF16, DOT_PREC)  # V'
-
-        dqg = mm(sdo, tl.trans(h), OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, BK]
-        dgc = egc * tl.sum(h * dhn, axis=1)  # [BK]
-        dkd = mm(vn, tl.trans(dhn), OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, BK]
-        dAqk = tl.where(causal, mm(sdo, tl.trans(vn), OP_BF16, EMULATE_BF16, DOT_PREC), 0.0)  # [C, C]
-        dvn = mm(tl.trans(Aqk), sdo, OP_BF16, EMULATE_BF16, DOT_PREC) + mm(kd, dhn, OP_BF16, EMULATE_BF16, DOT_PREC)
-        dW = -mm(dvn, tl.trans(h), OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, BK]
-        dXv = mm(tl.trans(Ti), dvn, OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, BV]
-        db = tl.sum(vt * dXv, axis=1)  # [C]
-        dTi = mm(dvn, tl.trans(vb), OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, C]
-        store_rows(dv + tok_v, dXv * bt[:, None], t0, seq_len, HV * V, 0, V, C, BV)
-        dXk = mm(tl.trans(Ti), dW, OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, BK]
-        dkg = dXk * bt[:, None]
-        db += tl.sum(kg * dXk, axis=1)
-        dTi += mm(dW, tl.trans(kgb), OP_BF16, EMULATE_BF16, DOT_PREC)
-        # Tinv = (I + A)^-1 -> dA = -Tinv^T dTinv Tinv^T on A's strictly lower support; A = beta Akk
-        dAm = -mm(tl.trans(Ti), mm(dTi, tl.trans(Ti), OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16,
-                  DOT_PREC)
-        dAm = tl.where(strict, dAm, 0.0)
-        db += tl.sum(dAm * Akk, axis=1)
-        dAkk = dAm * bt[:, None]
-
-        dq1, dk1, dG1 = _pairwise_bwd(dAqk, qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K,
-                                 HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE,
-                                 OP_BF16, EMULATE_BF16, DOT_PREC)
-        dk2, dk3, dG2 = _pairwise_bwd(dAkk, kn, kn, G, k_base, k_base, rk, rk, g_base, bias_ptr, t0, seq_len, H * K,
-                                 HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE,
-                                 OP_BF16, EMULATE_BF16, DOT_PREC)
-        # decay gradient: x dx - y dy of each pairwise matrix (its i = j terms cancel exactly and are
-        # left out), plus the Γ, kd and exp(g_C) factors
-        dG = dG1 + dG2 + qg * dqg + kg * dkg - kd * dkd
-        dgc += tl.sum(kd * dkd, axis=0)
-        da = tl.where(real[:, None], tl.cumsum(dG, axis=0, reverse=True) + dgc[None, :], 0.0)
-        dx, dlog = gate_bwd(da, x, a, expA, lower_bound, GATE)
-        store_rows(dg + tok_k, dx, t0, seq_len, HV * K, 0, K, C, BK)
-        if HAS_A_LOG:
-            tl.store(dA_part + i_t * HV + i_hv, tl.sum(tl.sum(dlog, axis=1), axis=0))
-        if HAS_BIAS:
-            tl.store(dbias_part + (i_t * HV + i_hv) * K + cols, tl.sum(dx, axis=0), mask=cols < K)
-        # the diagonal of Aqk (exp(0) = 1): Aqk_ii = q_i . k_i
-        dd = tl.sum(tl.where(rows[:, None] == rows[None, :], dAqk, 0.0), axis=1)  # [C]
-        r_b = rows + t0
-        tl.store(dbeta + (bos + r_b.to(tl.int64)) * HV + i_hv, beta_bwd(db, braw, BETA_SIGMOID, NEG_EIGVAL)
-                 .to(dbeta.dtype.element_ty), mask=real)
-        dqn += dqg * gam + dq1 + dd[:, None] * kn
-        dkn += dkg * gam + dkd * edec + dk1 + dk2 + dk3 + dd[:, None] * qn
-
     store_rows(dq + (bos * H + i_h) * K, l2norm_bwd(dqn, qn, rq, USE_L2NORM), t0, seq_len, H * K, 0, K, C, BK)
     store_rows(dk + (bos * H + i_h) * K, l2norm_bwd(dkn, kn, rk, USE_L2NORM), t0, seq_len, H * K, 0, K, C, BK)
 
@@ -587,7 +635,8 @@ def chunk_kda_bwd(
             q, k, v, g, beta, A_log, dt_bias, do, tinv, hs, dhs,
             dq, dk, dv, dg, dbeta, dA_part, dbias_part, cu_seqlens, pairs,
             float(scale), lb, T, H, HV, NTS, stride_alog, stride_bias,
-            K=K, V=V, C=C, SUBC=SUB, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), GROUP=HV // H, SAFE=safe, **gcommon,
+            K=K, V=V, C=C, SUBC=SUB, BK=BK, BV=BV, BVS=min(GRADS_BLOCK_V, BV), BKS=min(EXACT_KEY_SLICE, BK),
+            GROUP=HV // H, SAFE=safe, **gcommon,
             num_warps=GRADS_NUM_WARPS, num_stages=1,
         )
     del tinv, hs, dhs, pairs, firsts

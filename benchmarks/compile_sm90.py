@@ -1,0 +1,79 @@
+"""Build the chunk backward's Triton kernels for sm_90a without a GPU and print registers and spills.
+
+Usage: python benchmarks/compile_sm90.py [--warps-grads N] [--warps-states N] [--warps-prep N]
+(no TRITON_INTERPRET). The SPEC §3 flags at K = V = 128, bf16: what the H200 will run.
+"""
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import kdakit.ops.kda.chunk_bwd as M
+
+TOK = {"q", "k", "v", "g", "beta", "do", "dq", "dk", "dv", "dg", "dbeta", "tinv", "hs", "dhs"}
+F32 = {"A_log", "dt_bias", "dA_part", "dbias_part", "h0", "dht", "dh0"}
+
+
+def build(fn, const, warps):
+    sig = {}
+    for n in fn.arg_names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in TOK:
+            sig[n] = "*bf16"
+        elif n in F32:
+            sig[n] = "*fp32"
+        elif n in ("cu_seqlens",):
+            sig[n] = "*i64"
+        elif n in ("chunk_table", "chunk_offsets"):
+            sig[n] = "*i32"
+        elif n in ("scale", "lower_bound"):
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+    ptx = kern.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", rep)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
+    print(f"{fn.__name__}: warps {warps}, registers {regs.group(1) if regs else '?'}, "
+          f"spill stores/loads {spill.group(1) + '/' + spill.group(2) if spill else '?'} B, "
+          f"wgmma {len(re.findall('wgmma.mma_async', ptx))}, mma.sync {len(re.findall(r' mma.sync', ptx))}")
+    return kern
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--warps-grads", type=int, default=M.GRADS_NUM_WARPS)
+    ap.add_argument("--warps-states", type=int, default=M.STATES_NUM_WARPS)
+    ap.add_argument("--warps-prep", type=int, default=M.PREP_NUM_WARPS)
+    ap.add_argument("--safe", type=int, default=1)
+    ap.add_argument("--only", default="prep,states,grads")
+    a = ap.parse_args()
+    c = dict(K=128, V=128, C=64, GATE=2, HAS_A_LOG=True, HAS_BIAS=True, USE_L2NORM=True, BETA_SIGMOID=True,
+             NEG_EIGVAL=False, IS_VARLEN=True, OP_BF16=True, EMULATE_BF16=False, DOT_PREC="tf32")
+    only = a.only.split(",")
+    if "prep" in only:
+        build(M.chunk_kda_bwd_prep_kernel, dict(c, SUBC=16, BK=128, BV=128, BKS=16, SAFE=bool(a.safe)), a.warps_prep)
+    if "states" in only:
+        build(M.chunk_kda_bwd_states_kernel, dict(c, BK=128, BV=M.STATES_BLOCK_V, HAS_H0=False, HAS_DHT=False,
+                                                  STORE_DH0=False, LOOP_WHILE=False), a.warps_states)
+    if "grads" in only:
+        build(M.chunk_kda_bwd_grads_kernel, dict(c, SUBC=16, BK=128, BV=128, BVS=M.GRADS_BLOCK_V, BKS=16, GROUP=1, SAFE=bool(a.safe)),
+              a.warps_grads)
+
+
+if __name__ == "__main__":
+    main()

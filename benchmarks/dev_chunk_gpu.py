@@ -1,0 +1,137 @@
+"""Development check of the Triton chunk path on the GPU: accuracy against the float64 chunked
+reference at real head sizes, then per-kernel CUDA times and step times at one shape, for a few
+launch configurations of the backward.
+
+Usage: python benchmarks/dev_chunk_gpu.py --out dev.json [--shape 1x8192:96] [--variants grads=8,states=4;grads=4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+
+def protocol_inputs(mbs: int, seq: int, heads: int, d: int = 128, seed: int = 0):
+    """SPEC §3 inputs: bf16, raw gate and beta, fp32 A_log / dt_bias, equal packed sequences, dO."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    T = mbs * seq
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    x = dict(q=r(1, T, heads, d), k=r(1, T, heads, d), v=r(1, T, heads, d), g=r(1, T, heads, d), beta=r(1, T, heads))
+    for t in x.values():
+        t.requires_grad_(True)
+    A_log = torch.randn(heads, device="cuda", generator=g).mul_(0.3).requires_grad_(True)
+    dt_bias = torch.randn(heads * d, device="cuda", generator=g).mul_(0.3).requires_grad_(True)
+    cu = torch.arange(0, T + 1, seq, device="cuda", dtype=torch.int64)
+    return x, A_log, dt_bias, cu, r(1, T, heads, d)
+
+
+def accuracy(gate: str, T_lens, H: int, seed: int = 0) -> dict:
+    from kdakit import chunk_kda
+    from kdakit.ops.kda.chunk_reference import chunked_kda_reference  # noqa: F401
+    from kdakit.testing import error_report, float64_copy, make_kda_inputs, run_kda
+
+    gen = torch.Generator().manual_seed(seed)
+    inp = make_kda_inputs(T=sum(T_lens), H=H, HV=H, K=128, V=128, dtype=torch.bfloat16, device="cuda", gate=gate,
+                          seqlens=list(T_lens), initial_state="kv", generator=gen)
+    got = run_kda(chunk_kda, inp, seed=1)
+    os.environ["KDAKIT_BACKEND"] = "torch"
+    try:
+        ref = run_kda(chunk_kda, float64_copy(inp), seed=1)
+    finally:
+        del os.environ["KDAKIT_BACKEND"]
+    return {n: error_report(n, ref[n], got[n]).rms_ratio for n in got if n in ref}
+
+
+def timed(fn, reps=10):
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def perf(mbs, seq, heads) -> dict:
+    from kdakit import chunk_kda
+
+    x, A_log, dt_bias, cu, do = protocol_inputs(mbs, seq, heads)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+              lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
+    params = list(x.values()) + [A_log, dt_bias]
+
+    def fwd():
+        with torch.no_grad():
+            chunk_kda(**x, **kw)
+
+    def fwdbwd():
+        o, _ = chunk_kda(**x, **kw)
+        torch.autograd.grad(o, params, do)
+
+    t_f = timed(fwd)
+    t_fb = timed(fwdbwd)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fwdbwd()
+        torch.cuda.synchronize()
+    kern = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            kern.setdefault(e.name, [0, 0.0])
+            kern[e.name][0] += 1
+            kern[e.name][1] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
+    kern = {k: {"calls": c // 3, "ms": round(t / 3, 4)} for k, (c, t) in sorted(kern.items(), key=lambda kv: -kv[1][1])}
+    return {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "kernels": kern}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="1x8192:96")
+    ap.add_argument("--variants", default="")
+    ap.add_argument("--skip-accuracy", action="store_true")
+    a = ap.parse_args()
+    import kdakit.ops.kda.chunk_bwd as M
+
+    res = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("KDAKIT_GIT_SHA", "unknown")}
+    if not a.skip_accuracy:
+        for gate in ("safe", "softplus"):
+            t = time.time()
+            res[f"accuracy_{gate}"] = accuracy(gate, (1000, 3000, 96), 4)
+            print(gate, "accuracy", {k: f"{v:.2e}" for k, v in res[f"accuracy_{gate}"].items()},
+                  f"{time.time() - t:.0f}s", flush=True)
+    mbs_seq, heads = a.shape.split(":")
+    mbs, seq = (int(s) for s in mbs_seq.split("x"))
+    variants = [""] + [v for v in a.variants.split(";") if v]
+    for var in variants:
+        for item in filter(None, var.split(",")):
+            name, val = item.split("=")
+            setattr(M, {"grads": "GRADS_NUM_WARPS", "states": "STATES_NUM_WARPS", "prep": "PREP_NUM_WARPS",
+                        "sbv": "STATES_BLOCK_V", "gbv": "GRADS_BLOCK_V"}[name], int(val))
+        t = time.time()
+        r = perf(mbs, seq, int(heads))
+        r["config"] = {n: getattr(M, n) for n in ("GRADS_NUM_WARPS", "STATES_NUM_WARPS", "PREP_NUM_WARPS",
+                                                  "STATES_BLOCK_V", "GRADS_BLOCK_V")}
+        res.setdefault("perf", []).append(r)
+        print(a.shape, r["config"], f"fwd {r['fwd_ms']:.2f} ms, fwd+bwd {r['fwd_bwd_ms']:.2f} ms ({time.time() - t:.0f}s)",
+              flush=True)
+        for k, v in list(r["kernels"].items())[:8]:
+            print(f"   {v['ms']:8.3f} ms  x{v['calls']}  {k[:90]}", flush=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
