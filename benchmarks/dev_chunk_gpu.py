@@ -102,16 +102,23 @@ def main():
     ap.add_argument("--shape", default="1x8192:96")
     ap.add_argument("--variants", default="")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--gates", default="safe,softplus")
     a = ap.parse_args()
     import kdakit.ops.kda.chunk_bwd as M
 
     res = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("KDAKIT_GIT_SHA", "unknown")}
+
+    def save():
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
     if not a.skip_accuracy:
-        for gate in ("safe", "softplus"):
+        for gate in a.gates.split(","):
             t = time.time()
             res[f"accuracy_{gate}"] = accuracy(gate, (1000, 3000, 96), 4)
             print(gate, "accuracy", {k: f"{v:.2e}" for k, v in res[f"accuracy_{gate}"].items()},
                   f"{time.time() - t:.0f}s", flush=True)
+            save()
     mbs_seq, heads = a.shape.split(":")
     mbs, seq = (int(s) for s in mbs_seq.split("x"))
     variants = [""] + [v for v in a.variants.split(";") if v]
@@ -129,8 +136,7 @@ def main():
               flush=True)
         for k, v in list(r["kernels"].items())[:8]:
             print(f"   {v['ms']:8.3f} ms  x{v['calls']}  {k[:90]}", flush=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        save()
 
 
 if __name__ == "__main__":
