@@ -1,23 +1,34 @@
-"""CPU checks of the benchmark helpers that need no GPU: result joining and the time floors."""
+"""CPU checks of the benchmark helpers that need no GPU: cells, result joining, time floors, the
+measurement parent's shared-process and deadline bookkeeping, and run_gpu.sh's stage budget."""
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from bench_chunk import parse_shapes, time_floors_ms  # noqa: E402
-from compare_chunk import compare, markdown  # noqa: E402
+from bench_chunk import comparisons_of, parse_shapes, time_floors_ms, warm_cells  # noqa: E402
+from compare_chunk import cell_label, compare, compare_sweep, markdown, sweep_markdown  # noqa: E402
+
+from kdakit.memory import measure, measure_worker  # noqa: E402
+from kdakit.memory.measure_worker import Cell, parse_cell, parse_cells  # noqa: E402
+
+BENCH = os.path.join(ROOT, "benchmarks", "bench_chunk.py")
+COMPARE = os.path.join(ROOT, "benchmarks", "compare_chunk.py")
+RUN_GPU = os.path.join(ROOT, "benchmarks", "run_gpu.sh")
 
 
-def _record(backend, mbs, seq, heads, peak, fwd, fwd_bwd, status="ok"):
+def _record(backend, mbs, seq, heads, peak, fwd, fwd_bwd, status="ok", **extra):
     return {"backend": backend, "mbs": mbs, "seq": seq, "heads": heads, "status": status, "floor_gib": 1.5,
             "peak_alloc_gib": peak, "peak_reserved_gib": peak + 0.1, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd,
-            **time_floors_ms(mbs, seq, heads)}
+            **time_floors_ms(mbs, seq, heads, value_heads=extra.get("value_heads")), **extra}
 
 
 def test_compare_joins_by_shape_and_keeps_provenance(tmp_path):
@@ -35,20 +46,24 @@ def test_compare_joins_by_shape_and_keeps_provenance(tmp_path):
     assert set(rows) == {"1x8192:96", "8x8192:16"}  # the failed cell is left out
     assert rows["1x8192:96"]["fwd_bwd_ratio"] == pytest.approx(40.0 / 13.0)
     assert rows["1x8192:96"]["peak_ratio"] == pytest.approx(2.0 / 6.5)
+    assert rows["1x8192:96"]["fla_peak_reserved_gib"] == pytest.approx(6.6)
     assert "fla_fwd_ms" not in rows["8x8192:16"]  # a kdakit record in the FLA file is not FLA's
     table = markdown(res)
-    assert "3.08x" in table and "| 8x8192:16 |" in table and "- | - |" in table
+    assert "3.08x" in table and "| 8x8192:16 |" in table and "- | - |" in table and "6.500 (6.600)" in table
 
 
 def test_committed_h200_comparison_is_what_compare_prints(tmp_path):
     res_dir = os.path.join(ROOT, "benchmarks", "results")
     out = tmp_path / "c.json"
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compare_chunk.py"),
-                    "--kdakit", os.path.join(res_dir, "chunk_h200.json"),
+    subprocess.run([sys.executable, COMPARE, "--kdakit", os.path.join(res_dir, "chunk_h200.json"),
                     "--fla", os.path.join(res_dir, "chunk_fla_h200.json"), "--out", str(out)],
                    check=True, capture_output=True)
-    committed = json.load(open(os.path.join(res_dir, "chunk_vs_fla_h200.json")))
-    assert json.load(open(out))["rows"] == committed["rows"]
+    committed = json.load(open(os.path.join(res_dir, "chunk_vs_fla_h200.json")))["rows"]
+    rows = json.load(open(out))["rows"]
+    assert [r["shape"] for r in rows] == [r["shape"] for r in committed]
+    for new, old in zip(rows, committed):  # the committed fields are unchanged; reserved of FLA is new
+        assert {k: new[k] for k in old} == old
+    assert rows[3]["fla_peak_reserved_gib"] == pytest.approx(109.072265625)
 
 
 def test_time_floors_and_shape_parsing():
@@ -56,4 +71,345 @@ def test_time_floors_and_shape_parsing():
     f = time_floors_ms(1, 8192, 96)
     th = 8192 * 96
     assert f["fwd_bwd_bytes_floor_ms"] == pytest.approx(1e3 * (28 * th * 128 + 6 * th) / 4.3e12)
+    assert f["fwd_bytes_floor_ms"] == pytest.approx(1e3 * (10 * th * 128 + 2 * th) / 4.3e12)
     assert f["fwd_bwd_flops_floor_ms"] == pytest.approx(3 * f["fwd_flops_floor_ms"])
+    assert time_floors_ms(1, 8192, 96, value_heads=96) == f
+
+
+def test_gva_time_floors_count_each_tensor_at_its_head_count():
+    T, H, HV, D = 8192, 16, 32, 128
+    g = time_floors_ms(1, T, H, value_heads=HV)
+    inputs = 2 * (2 * T * H * D + 2 * T * HV * D + T * HV)   # q, k at H; v, g, beta at HV (bf16)
+    o = 2 * T * HV * D
+    assert g["fwd_bytes_floor_ms"] == pytest.approx(1e3 * (inputs + o) / 4.3e12)
+    assert g["fwd_bwd_bytes_floor_ms"] == pytest.approx(1e3 * (3 * inputs + 2 * o) / 4.3e12)
+    # FLOPs go with the value heads: the same as HV q/k heads would cost.
+    assert g["fwd_flops_floor_ms"] == pytest.approx(time_floors_ms(1, T, HV)["fwd_flops_floor_ms"])
+    assert g["fwd_bwd_bytes_floor_ms"] < time_floors_ms(1, T, HV)["fwd_bwd_bytes_floor_ms"]
+
+
+# ---------------------------------------------------------------------------------------
+# Cells
+
+
+def test_cells_parse_label_and_reject_bad_input():
+    assert parse_cell("1x8192:16/32") == Cell(1, 8192, 16, 32, "safe")
+    assert parse_cell("1x8k:96:softplus") == Cell(1, 8192, 96, None, "softplus")
+    assert parse_cell("2x65536:32").fields() == {"mbs": 2, "seq": 65536, "heads": 32, "value_heads": 32,
+                                                 "gate": "safe", "cell": "2x65536:32"}
+    for text in ("1x8192:16/32", "1x8192:96:softplus", "4x4096:32", "1x2048:8/32:softplus"):
+        assert parse_cell(text).label == text
+    assert parse_cell("1x8192:16/16").label == "1x8192:16"  # HV = H is the SPEC cell
+    assert parse_cell("1x8192:16/32").hv == 32 and parse_cell("1x8192:16").hv == 16
+    assert [c.tokens for c in parse_cells("1x2048:32, 2x65536:32")] == [2048, 131072]
+    for bad in ("1x8192:16/24", "1x8192:16:bogus", "8192:16", "1x8192", "0x8192:16", "1x8192:a", ""):
+        with pytest.raises(ValueError):
+            parse_cells(bad)
+    # Records written before GVA / gate support are SPEC cells.
+    assert measure_worker.cell_of_record({"mbs": 8, "seq": 8192, "heads": 16}) == Cell(8, 8192, 16)
+    assert cell_label({"mbs": 1, "seq": 8192, "heads": 16, "value_heads": 32, "gate": "softplus"}) == \
+        "1x8192:16/32:softplus"
+    assert cell_label({"mbs": 1, "seq": 8192, "heads": 16, "value_heads": 16}) == "1x8192:16"
+
+
+def test_warm_cells_are_one_small_cell_per_new_kernel_variant():
+    cells = parse_cells("1x2048:96,8x2048:16,1x8192:96:softplus,1x8192:16/32,2x65536:16/32,4x4096:96:softplus")
+    assert [c.label for c in warm_cells(cells)] == ["1x1024:96:softplus", "1x1024:16/32"]
+    assert warm_cells(parse_cells("1x8192:96,8x8192:16")) == []
+    out = subprocess.run([sys.executable, BENCH, "--warm-cells", "1x8192:16/32,1x8192:128:softplus"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    assert out == "1x1024:16/32,1x1024:128:softplus"
+
+
+def test_bench_chunk_help_and_arguments():
+    out = subprocess.run([sys.executable, BENCH, "--help"], check=True, capture_output=True, text=True).stdout
+    for flag in ("--shared-process", "--budget-s", "--gate-from", "--gate-only", "--warm-cells", "--reps",
+                 "--timing-runs", "--no-cu-seqlens-cpu"):
+        assert flag in out
+    import bench_chunk
+
+    args = bench_chunk.build_parser().parse_args(["--out", "x.json"])
+    assert (args.reps, args.timing_runs, args.warmup_seq, args.warmup_iters) == (3, 10, 1024, 2)
+    assert not args.shared_process and args.budget_s is None
+
+
+def test_worker_arguments_cells_and_defaults():
+    args, cells = measure_worker.parse_args(["--backend", "fla", "--mbs", "1", "--seq", "8192", "--heads", "16",
+                                             "--value-heads", "32", "--gate", "softplus"])
+    assert cells == [Cell(1, 8192, 16, 32, "softplus")]
+    assert args.warmup_seq == 1024 and not args.no_cu_seqlens_cpu and not args.warmup_only
+    args, cells = measure_worker.parse_args(["--backend", "kdakit", "--cells", "1x2048:96,1x8192:16/32",
+                                             "--warmup-only"])
+    assert [c.label for c in cells] == ["1x2048:96", "1x8192:16/32"] and args.warmup_only
+    for bad in (["--backend", "kdakit", "--cells", "1x2048:96", "--mbs", "1"],
+                ["--backend", "kdakit", "--mbs", "1", "--seq", "64"],
+                ["--backend", "kdakit", "--mbs", "1", "--seq", "64", "--heads", "3", "--value-heads", "4"]):
+        with pytest.raises(SystemExit):
+            measure_worker.parse_args(bad)
+
+
+def test_worker_commands_keep_the_spec_cell_and_add_only_what_a_cell_needs():
+    opts = measure.MeasureOptions()
+    spec = measure.worker_command("fla", (1, 8192, 96), opts)
+    assert "--value-heads" not in spec and "--gate" not in spec and "--no-cu-seqlens-cpu" not in spec
+    assert spec[spec.index("--warmup-seq") + 1] == "1024" and spec[spec.index("--reps") + 1] == "3"
+    gva = measure.worker_command("fla", parse_cell("1x8192:16/32:softplus"), opts)
+    assert gva[gva.index("--value-heads") + 1] == "32" and gva[gva.index("--gate") + 1] == "softplus"
+    shared = measure.shared_worker_command("kdakit", parse_cells("1x2048:96,1x8192:16/32"),
+                                           measure.MeasureOptions(reps=1, cu_seqlens_cpu=False), warmup_only=True)
+    assert shared[shared.index("--cells") + 1] == "1x2048:96,1x8192:16/32"
+    assert "--warmup-only" in shared and "--no-cu-seqlens-cpu" in shared and "--mbs" not in shared
+
+
+def test_worker_inputs_for_gva_and_gate_modes():
+    spec = measure_worker.make_inputs(2, 8, 2, 4, "cpu", seed=3)
+    gva = measure_worker.make_inputs(2, 8, 2, 4, "cpu", seed=3, value_heads=4, gate="softplus")
+    assert gva["q"].shape == gva["k"].shape == (1, 16, 2, 4)
+    assert gva["v"].shape == gva["g"].shape == gva["do"].shape == (1, 16, 4, 4) and gva["beta"].shape == (1, 16, 4)
+    assert gva["A_log"].shape == (4,) and gva["dt_bias"].shape == (16,)
+    assert torch.equal(spec["q"], gva["q"]) and torch.equal(spec["k"], gva["k"])  # same seed, same q and k
+    assert gva["gate"] == "softplus" and spec["gate"] == "safe"
+    assert gva["cu_seqlens_cpu"].device.type == "cpu" and gva["cu_seqlens_cpu"].tolist() == [0, 8, 16]
+    assert measure_worker.make_inputs(1, 8, 2, 4, "cpu", 0, cu_seqlens_cpu=False)["cu_seqlens_cpu"] is None
+
+
+def test_both_backends_get_the_same_call(monkeypatch):
+    # load_backend's call: the gate mode and cu_seqlens_cpu come from the inputs, for kdakit and FLA alike.
+    seen = []
+
+    def fake_fn(q, k, v, g, beta, **kw):
+        seen.append(kw)
+        return v * 1.0, None
+
+    import kdakit
+
+    monkeypatch.setattr(kdakit, "chunk_kda", fake_fn)
+    call, _ = measure_worker.load_backend("reference", None)
+    call(measure_worker.make_inputs(1, 8, 2, 4, "cpu", 0))
+    call(measure_worker.make_inputs(1, 8, 2, 4, "cpu", 0, value_heads=4, gate="softplus", cu_seqlens_cpu=False))
+    safe, soft = seen
+    assert safe["safe_gate"] is True and safe["lower_bound"] == -5.0 and safe["cu_seqlens_cpu"].tolist() == [0, 8]
+    assert soft["safe_gate"] is False and soft["lower_bound"] is None and soft["cu_seqlens_cpu"] is None
+    for kw in seen:
+        assert kw["use_gate_in_kernel"] and kw["use_qk_l2norm_in_kernel"] and kw["use_beta_sigmoid_in_kernel"]
+        assert kw["A_log"] is not None and kw["dt_bias"] is not None
+
+
+# ---------------------------------------------------------------------------------------
+# The parent: shared processes, deadlines
+
+
+def _fake(script):
+    return [sys.executable, "-c", script]
+
+
+def test_shared_process_records_stream_and_an_unfinished_cell_is_a_timeout(monkeypatch):
+    marker = measure_worker.RESULT_MARKER
+    script = (
+        "import json, sys, time\n"
+        "for c in ('1x64:2', '1x64:2/4'):\n"
+        f"    print({marker!r} + json.dumps(dict(status='ok', cell=c, fwd_ms=1.0, fwd_bwd_ms=3.0, peak_alloc_gib=None,"
+        f" process='shared')), flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    monkeypatch.setattr(measure, "shared_worker_command", lambda backend, cells, options, warmup_only=False:
+                        _fake(script))
+    monkeypatch.setattr(measure, "preflight", lambda backends, options: None)
+    monkeypatch.setattr(measure, "HEARTBEAT_S", 1.0)
+    seen, progress = [], io.StringIO()
+    opts = measure.MeasureOptions(device="cpu", dry_run=True, timeout_s=4.0)
+    cells = parse_cells("1x64:2,1x64:2/4,1x64:2:softplus")
+    results = measure.run_measure(["reference"], cells, opts, progress=progress, on_result=seen.append,
+                                  shared_process=True)
+    assert [r["status"] for r in results] == ["ok", "ok", "timeout"]
+    assert [r["cell"] for r in results] == ["1x64:2", "1x64:2/4", "1x64:2:softplus"]
+    assert results[1]["value_heads"] == 4 and results[2]["gate"] == "softplus"
+    assert seen == results and "shared" in results[2]["process"]
+    # The floor of the GVA cell counts v, g, beta, o at HV = 4 and q, k at H = 2 (bf16, D = 128).
+    T, D = 64, 128
+    floor = 2 * (2 * (2 * T * 2 * D + 2 * T * 4 * D + T * 4)) + 2 * (2 * T * 4 * D)
+    assert results[1]["floor_gib"] == pytest.approx(floor / 2 ** 30)
+    assert "[reference] 3 cells in one process" in progress.getvalue()
+
+
+def test_deadline_skips_cells_and_caps_limits(monkeypatch):
+    import time
+
+    limits = []
+
+    def fake_run_cell(backend, shape, options, progress=None):
+        limits.append(options.timeout_s)
+        return {"backend": backend, **measure_worker.as_cell(shape).fields(), "head_dim": 128, "status": "ok",
+                "fwd_ms": 1.0, "fwd_bwd_ms": 2.0, "wall_s": 0.0}
+
+    monkeypatch.setattr(measure, "run_cell", fake_run_cell)
+    monkeypatch.setattr(measure, "preflight", lambda backends, options: None)
+    opts = measure.MeasureOptions(device="cpu", dry_run=True, timeout_s=600.0)
+    res = measure.run_measure(["kdakit", "fla"], [(1, 64, 2)], opts, progress=None, deadline=time.monotonic() + 60)
+    assert [r["status"] for r in res] == ["ok", "ok"] and all(50 < t <= 60 for t in limits)
+    res = measure.run_measure(["kdakit", "fla"], [(1, 64, 2), (1, 128, 2)], opts, progress=None,
+                              deadline=time.monotonic() + 1)
+    assert [r["status"] for r in res] == ["skipped"] * 4 and len(limits) == 2
+
+
+def test_real_shared_worker_on_cpu_runs_gva_and_softplus_cells():
+    # A real worker process (the PyTorch path, dry run): three cells in one process, in order.
+    opts = measure.MeasureOptions(device="cpu", dry_run=True, timeout_s=240.0, reps=1, timing_runs=1,
+                                  warmup_seq=16, warmup_iters=1, head_dim=8)
+    res = measure.run_measure(["reference"], parse_cells("2x16:2,1x32:2/4,1x32:2:softplus"), opts, progress=None,
+                              shared_process=True)
+    assert [r["status"] for r in res] == ["ok", "ok", "ok"], [r.get("message") for r in res]
+    assert [r["cell"] for r in res] == ["2x16:2", "1x32:2/4", "1x32:2:softplus"]
+    for r in res:
+        assert r["fwd_ms"] > 0 and r["fwd_nograd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["cu_seqlens_cpu"] is True
+        assert r["warmup_seq"] == 16 and r["process"].startswith("shared")
+    warm = measure.run_shared("reference", parse_cells("1x32:2/4"),
+                              measure.MeasureOptions(device="cpu", dry_run=True, warmup_seq=16, head_dim=8),
+                              progress=None, warmup_only=True)
+    assert warm[0]["status"] == "warm" and "fwd_ms" not in warm[0]
+
+
+# ---------------------------------------------------------------------------------------
+# The sweep join
+
+
+def _sweep_file(tmp_path):
+    recs = [
+        _record("kdakit", 1, 2048, 96, 0.50, 1.1, 9.0, fwd_nograd_ms=1.0, peak_reserved_clean_gib=0.55,
+                process="shared (1 of 3 cells in one process)", versions={"kdakit": "0.1.0", "torch": "2.11"}),
+        _record("kdakit", 1, 8192, 16, 0.9, 2.0, 20.0, value_heads=32, gate="safe", fwd_nograd_ms=1.8),
+        _record("kdakit", 1, 8192, 96, 2.1, 4.4, 44.0, value_heads=96, gate="softplus", fwd_nograd_ms=4.0),
+        _record("fla", 1, 2048, 96, 1.7, 1.0, 3.0, fwd_nograd_ms=0.8, versions={"fla": "0.6.0"}),
+        _record("fla", 1, 8192, 16, 9.0, 1.0, 1.0, value_heads=32, status="timeout"),
+        _record("fla", 1, 8192, 96, 6.6, 3.3, 13.2, value_heads=96, gate="softplus", fwd_nograd_ms=3.2),
+    ]
+    recs[4]["message"] = "the shared fla process exceeded its 80 s limit"
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6.0", "git_sha": "abc1234",
+                                "date": "2026-12-02", "process_mode": "shared", "records": recs}))
+    return path
+
+
+def test_sweep_join_per_cell_with_ratios_reserved_target_and_statuses(tmp_path):
+    sweep = compare_sweep([str(_sweep_file(tmp_path))])
+    rows = {r["shape"]: r for r in sweep["rows"]}
+    assert list(rows) == ["1x2048:96", "1x8192:16/32", "1x8192:96:softplus"]
+    a = rows["1x2048:96"]
+    assert a["fwd_nograd_ratio"] == pytest.approx(1.0 / 0.8) and a["fwd_bwd_ratio"] == pytest.approx(3.0)
+    assert a["fwd_ratio"] == pytest.approx(1.1) and a["peak_ratio"] == pytest.approx(0.5 / 1.7)
+    assert a["reserved_target_gib"] == pytest.approx(1.15 * 1.5)
+    assert a["kdakit_reserved_over_floor"] == pytest.approx(0.6 / 1.5) and a["kdakit_reserved_target_met"] is True
+    assert a["fla_reserved_target_met"] is False and a["kdakit_peak_reserved_clean_gib"] == 0.55
+    g = rows["1x8192:16/32"]
+    assert (g["heads"], g["value_heads"], g["tokens"]) == (16, 32, 8192)
+    assert g["fla_status"] == "timeout" and "80 s" in g["fla_message"] and "fwd_bwd_ratio" not in g
+    assert g["fwd_bwd_bytes_floor_ms"] == pytest.approx(time_floors_ms(1, 8192, 16, value_heads=32)
+                                                         ["fwd_bwd_bytes_floor_ms"])
+    s = rows["1x8192:96:softplus"]
+    assert s["gate"] == "softplus" and s["fwd_bwd_ratio"] == pytest.approx(44.0 / 13.2)
+    assert sweep["versions"] == {"kdakit": "0.1.0", "torch": "2.11", "fla": "0.6.0"}
+    table = sweep_markdown(sweep)
+    assert "| 1x8192:16/32 | 8192 |" in table and "| timeout |" in table and "3.33x" in table
+    assert "1.25x" in table and "0.400 ok" in table
+
+
+def test_compare_cli_writes_sweep_env_and_git_sha(tmp_path):
+    sweep = _sweep_file(tmp_path)
+    env = tmp_path / "env.json"
+    env.write_text(json.dumps({"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0",
+                               "fla": "0.6.0", "git_sha": "abc1234", "date": "2026-12-02T10:00:00+00:00"}))
+    out = tmp_path / "c.json"
+    subprocess.run([sys.executable, COMPARE, "--sweep", str(sweep), "--env", str(env), "--out", str(out)],
+                   check=True, capture_output=True)
+    res = json.load(open(out))
+    assert res["git_sha"] == "abc1234" and res["env"]["gpu"] == "NVIDIA H200" and res["env"]["fla"] == "0.6.0"
+    assert res["env"]["date"].startswith("2026-12-02") and "rows" not in res  # no SPEC files given
+    assert [r["shape"] for r in res["sweep"]["rows"]][0] == "1x2048:96"
+    assert res["sweep"]["files"][0]["process_mode"] == "shared"
+    # Without env.json the results files' provenance fills the environment in.
+    subprocess.run([sys.executable, COMPARE, "--sweep", str(sweep), "--out", str(out)], check=True,
+                   capture_output=True)
+    res = json.load(open(out))
+    assert res["git_sha"] == "abc1234" and res["env"]["triton"] == "3.6.0" and res["env"]["kdakit"] == "0.1.0"
+    bad = subprocess.run([sys.executable, COMPARE, "--kdakit", str(sweep), "--out", str(out)], capture_output=True)
+    assert bad.returncode == 2  # --kdakit without --fla
+
+
+def test_bench_comparisons_match_by_cell_label():
+    recs = [_record("kdakit", 1, 8192, 16, 1.0, 2.0, 8.0, value_heads=32, fwd_nograd_ms=1.5),
+            _record("fla", 1, 8192, 16, 4.0, 1.0, 4.0, value_heads=32, fwd_nograd_ms=1.0),
+            _record("fla", 1, 8192, 16, 3.0, 1.0, 2.0)]  # the H16 SPEC cell is another cell
+    (c,) = comparisons_of(recs)
+    assert c["shape"] == "1x8192:16/32" and c["fwd_bwd_ratio_kdakit_over_fla"] == pytest.approx(2.0)
+    assert c["fwd_nograd_ratio_kdakit_over_fla"] == pytest.approx(1.5)
+
+
+# ---------------------------------------------------------------------------------------
+# run_gpu.sh
+
+
+def test_run_gpu_script_parses_and_its_one_call_budget_fits():
+    subprocess.run(["bash", "-n", RUN_GPU], check=True)
+    text = open(RUN_GPU).read()
+    m = re.search(r"declare -A DEFAULT_LIMIT=\((.*?)\)\n", text, re.S)
+    limits = dict(re.findall(r"\[(\w+)\]=(\w+)", m.group(1)))
+    command = re.search(r"bash benchmarks/run_gpu.sh ((?:\w+ ?)+)\n", text).group(1).split()
+    assert command == ["env", "warm", "chunk", "fla", "sweep", "profile", "tests"]
+    assert all(s in limits for s in command)
+    fixed = sum(int(limits[s]) for s in command if limits[s] != "rest")
+    total = int(re.search(r"TOTAL_LIMIT=\$\{TOTAL_LIMIT:-(\d+)\}", text).group(1))
+    assert fixed <= 520 and total <= 530 and limits["tests"] == "rest"
+    # Every stage the script documents has a function.
+    for s in limits:
+        assert f"stage_{s}() {{" in text
+
+
+def test_bench_chunk_main_records_gate_drops_kdakit_on_failure_and_writes_comparisons(monkeypatch, tmp_path):
+    import bench_chunk
+
+    calls = []
+
+    def fake_run_measure(backends, cells, options, progress=None, on_result=None, shared_process=False,
+                         deadline=None):
+        calls.append({"backends": list(backends), "cells": [c.label for c in cells], "shared": shared_process,
+                      "reps": options.reps, "timing_runs": options.timing_runs, "deadline": deadline,
+                      "warmup_seq": options.warmup_seq})
+        out = []
+        for b in backends:
+            for c in cells:
+                r = {"backend": b, **c.fields(), "head_dim": 128, "status": "ok", "floor_gib": 1.0,
+                     "peak_alloc_gib": 1.0 if b == "kdakit" else 3.0, "peak_reserved_gib": 1.1,
+                     "fwd_ms": 2.0, "fwd_nograd_ms": 1.0 if b == "kdakit" else 0.5, "fwd_bwd_ms": 9.0 if b == "kdakit"
+                     else 3.0}
+                on_result(r)
+                out.append(r)
+        return out
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(measure, "run_measure", fake_run_measure)
+    monkeypatch.setenv("KDAKIT_GIT_SHA", "abc1234")
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({"correctness_gate": {"ok": True, "errors": {}}}))
+    bad.write_text(json.dumps({"correctness_gate": {"ok": False, "errors": {}}}))
+    out = tmp_path / "sweep.json"
+    rc = bench_chunk.main(["--backends", "kdakit,fla", "--shapes", "1x2048:96,1x8192:16/32", "--gate-from", str(good),
+                           "--shared-process", "--reps", "1", "--timing-runs", "5", "--budget-s", "80",
+                           "--out", str(out)])
+    assert rc == 0
+    assert calls[0]["backends"] == ["kdakit", "fla"] and calls[0]["shared"] is True
+    assert calls[0]["cells"] == ["1x2048:96", "1x8192:16/32"] and calls[0]["deadline"] is not None
+    assert (calls[0]["reps"], calls[0]["timing_runs"], calls[0]["warmup_seq"]) == (1, 5, 1024)
+    res = json.load(open(out))
+    assert res["git_sha"] == "abc1234" and res["process_mode"] == "shared" and res["correctness_gate"]["ok"]
+    assert "one process per backend" in res["protocol"] and "cu_seqlens_cpu" in res["protocol"]
+    assert len(res["records"]) == 4 and res["records"][1]["fwd_bwd_bytes_floor_ms"] > 0
+    cmp = {c["shape"]: c for c in res["comparisons"]}
+    assert cmp["1x8192:16/32"]["fwd_bwd_ratio_kdakit_over_fla"] == pytest.approx(3.0)
+    assert cmp["1x2048:96"]["fwd_nograd_ratio_kdakit_over_fla"] == pytest.approx(2.0)
+    # A failed gate: FLA is still measured, kdakit is not.
+    rc = bench_chunk.main(["--backends", "kdakit,fla", "--shapes", "1x2048:96", "--gate-from", str(bad),
+                           "--out", str(out)])
+    res = json.load(open(out))
+    assert calls[1]["backends"] == ["fla"] and calls[1]["shared"] is False
+    assert res["kdakit_dropped"] and {r["backend"] for r in res["records"]} == {"fla"} and rc == 0

@@ -48,6 +48,8 @@ the same bookkeeping on CPU (wall-clock times, no peaks).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -61,6 +63,8 @@ LOWER_BOUND = -5.0
 BACKEND_ENV = {"kdakit": "triton", "reference": "torch"}
 GIB = float(2 ** 30)
 _FINITE_SLICE = 1 << 24  # elements per isfinite() slice: a 16 MiB bool temporary at most
+GATES = ("safe", "softplus")
+DEFAULT_WARMUP_SEQ = 1024
 
 
 def protocol_env(backend: str, base: dict | None = None) -> dict:
@@ -74,6 +78,115 @@ def protocol_env(backend: str, base: dict | None = None) -> dict:
     return env
 
 
+# ---------------------------------------------------------------------------------------
+# Cells: ``MBSxSEQ:H[/HV][:gate]``
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One measured shape: ``mbs`` sequences of ``seq`` tokens, H q/k heads, HV value heads, gate mode.
+
+    Written ``MBSxSEQ:H`` (SPEC §3: HV = H, safe gate), ``MBSxSEQ:H/HV`` (grouped value heads)
+    and ``...:softplus`` (the unbounded in-kernel gate); ``SEQ`` may be written ``8k``.
+    """
+
+    mbs: int
+    seq: int
+    heads: int
+    value_heads: int | None = None
+    gate: str = "safe"
+
+    def __post_init__(self):
+        for name in ("mbs", "seq", "heads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.value_heads is not None:
+            if not isinstance(self.value_heads, int) or self.value_heads <= 0:
+                raise ValueError(f"value heads must be a positive int, got {self.value_heads!r}")
+            if self.value_heads % self.heads:
+                raise ValueError(f"value heads (HV={self.value_heads}) must be a multiple of q/k heads "
+                                 f"(H={self.heads})")
+            if self.value_heads == self.heads:
+                object.__setattr__(self, "value_heads", None)
+        if self.gate not in GATES:
+            raise ValueError(f"gate must be one of {', '.join(GATES)}, got {self.gate!r}")
+
+    @property
+    def hv(self) -> int:
+        return self.value_heads or self.heads
+
+    @property
+    def tokens(self) -> int:
+        return self.mbs * self.seq
+
+    @property
+    def label(self) -> str:
+        out = f"{self.mbs}x{self.seq}:{self.heads}"
+        if self.value_heads is not None:
+            out += f"/{self.value_heads}"
+        if self.gate != "safe":
+            out += f":{self.gate}"
+        return out
+
+    def fields(self) -> dict:
+        """The record fields that identify the cell (``heads`` is H, ``value_heads`` HV)."""
+        return {"mbs": self.mbs, "seq": self.seq, "heads": self.heads, "value_heads": self.hv, "gate": self.gate,
+                "cell": self.label}
+
+
+def _int(text: str, what: str) -> int:
+    t = text.strip().lower()
+    mult = 1
+    if t.endswith("k"):
+        t, mult = t[:-1], 1024
+    try:
+        v = int(t) * mult
+    except ValueError:
+        raise ValueError(f"{what} must be an integer, got {text!r}") from None
+    return v
+
+
+def parse_cell(text: str) -> Cell:
+    """``"2x65536:32"``, ``"1x8192:16/32"``, ``"1x8k:96:softplus"`` -> :class:`Cell`."""
+    parts = text.strip().split(":")
+    if len(parts) not in (2, 3) or "x" not in parts[0].lower():
+        raise ValueError(f"a cell is MBSxSEQ:H[/HV][:gate], got {text!r}")
+    mbs, seq = parts[0].lower().split("x", 1)
+    heads = parts[1].split("/")
+    if len(heads) > 2:
+        raise ValueError(f"heads are H or H/HV, got {parts[1]!r} in {text!r}")
+    gate = parts[2].strip().lower() if len(parts) == 3 else "safe"
+    return Cell(_int(mbs, "MBS"), _int(seq, "SEQ"), _int(heads[0], "H"),
+                _int(heads[1], "HV") if len(heads) == 2 else None, gate)
+
+
+def parse_cells(text: str) -> list[Cell]:
+    cells = [parse_cell(item) for item in text.split(",") if item.strip()]
+    if not cells:
+        raise ValueError("no cells given")
+    return cells
+
+
+def as_cell(shape) -> Cell:
+    """A :class:`Cell` from a Cell, a ``(mbs, seq, heads)`` tuple or a cell string."""
+    if isinstance(shape, Cell):
+        return shape
+    if isinstance(shape, str):
+        return parse_cell(shape)
+    if hasattr(shape, "label"):  # a Cell of another copy of this module
+        return parse_cell(shape.label)
+    return Cell(*shape)
+
+
+def cell_of_record(r: dict) -> Cell:
+    """The cell a result record belongs to (records written before GVA/gate support are SPEC cells)."""
+    return Cell(int(r["mbs"]), int(r["seq"]), int(r["heads"]), r.get("value_heads"), r.get("gate") or "safe")
+
+
+# ---------------------------------------------------------------------------------------
+
+
 class _Progress:
     def __init__(self, label: str):
         self.label = label
@@ -84,7 +197,11 @@ class _Progress:
 
 
 def load_backend(name: str, checkpoint_every: int | None):
-    """Return ``(call, versions)``; ``call(inputs)`` runs the protocol's forward. Raises ImportError."""
+    """Return ``(call, versions)``; ``call(inputs)`` runs the protocol's forward. Raises ImportError.
+
+    The gate mode and ``cu_seqlens_cpu`` travel in the inputs (:func:`make_inputs`), so both
+    backends get exactly the same arguments.
+    """
     import torch
 
     versions = {"torch": torch.__version__}
@@ -112,20 +229,34 @@ def load_backend(name: str, checkpoint_every: int | None):
         raise ValueError(f"unknown backend {name!r}: expected kdakit, fla or reference")
 
     def call(x):
+        gate = x.get("gate", "safe")
+        flags = (dict(safe_gate=True, lower_bound=LOWER_BOUND) if gate == "safe"
+                 else dict(safe_gate=False, lower_bound=None))
         return fn(
             x["q"], x["k"], x["v"], x["g"], x["beta"],
             A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=x["cu_seqlens"],
+            cu_seqlens_cpu=x.get("cu_seqlens_cpu"),
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-            safe_gate=True, lower_bound=LOWER_BOUND, **extra,
+            **flags, **extra,
         )
 
     return call, versions
 
 
-def make_inputs(mbs: int, seq: int, heads: int, dim: int, device: str, seed: int) -> dict:
-    """SPEC §3 inputs, packed as B = 1 with cu_seqlens; identical for every backend at a seed."""
+def make_inputs(mbs: int, seq: int, heads: int, dim: int, device: str, seed: int,
+                value_heads: int | None = None, gate: str = "safe", cu_seqlens_cpu: bool = True) -> dict:
+    """SPEC §3 inputs, packed as B = 1 with cu_seqlens; identical for every backend at a seed.
+
+    ``heads`` is the q/k head count H, ``value_heads`` (default H) the value head count HV of
+    v, g, beta, A_log, dt_bias and dO. With HV = H the tensors are those of SPEC §3.
+    """
     import torch
 
+    hv = value_heads or heads
+    if hv % heads:
+        raise ValueError(f"value_heads ({hv}) must be a multiple of heads ({heads})")
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     T = mbs * seq
@@ -134,15 +265,17 @@ def make_inputs(mbs: int, seq: int, heads: int, dim: int, device: str, seed: int
         return torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
 
     x = {
-        "q": randn(1, T, heads, dim), "k": randn(1, T, heads, dim), "v": randn(1, T, heads, dim),
-        "g": randn(1, T, heads, dim), "beta": randn(1, T, heads),
-        "A_log": torch.zeros(heads, dtype=torch.float32, device=device),
-        "dt_bias": torch.zeros(heads * dim, dtype=torch.float32, device=device),
+        "q": randn(1, T, heads, dim), "k": randn(1, T, heads, dim), "v": randn(1, T, hv, dim),
+        "g": randn(1, T, hv, dim), "beta": randn(1, T, hv),
+        "A_log": torch.zeros(hv, dtype=torch.float32, device=device),
+        "dt_bias": torch.zeros(hv * dim, dtype=torch.float32, device=device),
     }
     for t in x.values():
         t.requires_grad_(True)
     x["cu_seqlens"] = torch.arange(0, T + 1, seq, dtype=torch.int64, device=device)
-    x["do"] = randn(1, T, heads, dim)
+    x["cu_seqlens_cpu"] = torch.arange(0, T + 1, seq, dtype=torch.int64) if cu_seqlens_cpu else None
+    x["do"] = randn(1, T, hv, dim)
+    x["gate"] = gate
     return x
 
 
@@ -187,30 +320,46 @@ class Clock:
         self.cuda = device == "cuda"
 
     def time(self, fn, prepare) -> float:
+        return self.time2(fn, prepare)[0]
+
+    def time2(self, fn, prepare) -> tuple[float, float]:
+        """``(device_ms, host_ms)``: event time of ``fn`` from an idle device, and host time until it returned."""
         import torch
 
         prepare()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             keep = fn()
+            host = (time.perf_counter() - t0) * 1e3
             end.record()
             end.synchronize()
             del keep
-            return start.elapsed_time(end)
+            return start.elapsed_time(end), host
         t0 = time.perf_counter()
         keep = fn()
         ms = (time.perf_counter() - t0) * 1e3
         del keep
-        return ms
+        return ms, ms
+
+
+def _cell_args(args) -> Cell:
+    return Cell(args.mbs, args.seq, args.heads, args.value_heads, args.gate)
 
 
 def run_cell(args, say) -> dict:
     import torch
 
     device = args.device
-    result: dict = {"backend": args.backend, "mbs": args.mbs, "seq": args.seq, "heads": args.heads,
-                    "head_dim": args.head_dim, "device": device, "dry_run": args.dry_run}
+    cell = _cell_args(args)
+    value_heads = cell.hv
+    gate = cell.gate
+    use_cpu_offsets = not getattr(args, "no_cu_seqlens_cpu", False)
+    warmup_only = getattr(args, "warmup_only", False)
+    result: dict = {"backend": args.backend, **cell.fields(), "head_dim": args.head_dim, "device": device,
+                    "dry_run": args.dry_run, "cu_seqlens_cpu": use_cpu_offsets,
+                    "warmup_seq": min(args.warmup_seq, args.seq), "process": getattr(args, "process", "fresh")}
     if device == "cuda" and not torch.cuda.is_available():
         return {**result, "status": "no-cuda", "message": "no CUDA device is visible (torch.cuda.is_available() is False)"}
     try:
@@ -227,28 +376,41 @@ def run_cell(args, say) -> dict:
         if cuda:
             torch.cuda.synchronize()
 
+    def inputs(mbs, seq):
+        return make_inputs(mbs, seq, args.heads, args.head_dim, device, args.seed, value_heads=value_heads,
+                           gate=gate, cu_seqlens_cpu=use_cpu_offsets)
+
     try:
         if args.warmup_seq > 0:
             wseq = min(args.warmup_seq, args.seq)
-            say(f"warm-up (compile/autotune) at 1x{wseq}:{args.heads}")
-            small = make_inputs(1, wseq, args.heads, args.head_dim, device, args.seed)
+            say(f"warm-up (compile/autotune) at 1x{wseq}:{args.heads}" + (f"/{value_heads}" if value_heads != args.heads
+                                                                          else "") + f" gate {gate}")
+            t0 = time.perf_counter()
+            small = inputs(1, wseq)
             o = step(call, small)
             sync()
+            result["warmup_s"] = time.perf_counter() - t0
             bad = check_finite(o, small)
             del o, small
             if bad:
                 return {**result, "status": "error", "message": f"non-finite warm-up results: {', '.join(bad)}"}
-            if cuda:
-                torch.cuda.empty_cache()  # the target's reserved figure should not inherit warm-up blocks
-        say(f"inputs {args.mbs}x{args.seq}:{args.heads} (seed {args.seed})")
-        x = make_inputs(args.mbs, args.seq, args.heads, args.head_dim, device, args.seed)
-        for i in range(args.warmup_iters):
-            say(f"warm-up at the target shape {i + 1}/{args.warmup_iters}")
+            # No empty_cache() here: the reserved figure is that of a process in which a small call ran first.
+        say(f"inputs {cell.label} (seed {args.seed})")
+        x = inputs(args.mbs, args.seq)
+        t0 = time.perf_counter()
+        n_target = 1 if warmup_only else args.warmup_iters
+        for i in range(n_target):
+            say(f"warm-up at the target shape {i + 1}/{n_target}")
             release_grads(x)
             o = step(call, x)
             sync()
             del o
+        result["target_warmup_s"] = time.perf_counter() - t0
         release_grads(x)
+        if warmup_only:
+            del x
+            result["status"] = "warm"
+            return result
 
         allocs, reserveds, residents = [], [], []
         for i in range(args.reps):
@@ -267,7 +429,8 @@ def run_cell(args, say) -> dict:
             if bad:
                 return {**result, "status": "error",
                         "message": f"non-finite results in measured run {i + 1}: {', '.join(bad)}"}
-            say(f"measured run {i + 1}/{args.reps}" + (f": peak {allocs[-1] / GIB:.3f} GiB" if cuda else ""))
+            say(f"measured run {i + 1}/{args.reps}" + (f": peak {allocs[-1] / GIB:.3f} GiB, reserved "
+                                                       f"{reserveds[-1] / GIB:.3f} GiB" if cuda else ""))
         release_grads(x)
         result["finite"] = True
         if cuda:
@@ -284,14 +447,30 @@ def run_cell(args, say) -> dict:
         clock = Clock(device)
         prep = lambda: (release_grads(x), sync())  # noqa: E731
         fwd = lambda: call(x)[0]  # noqa: E731
+
+        def fwd_nograd():
+            with torch.no_grad():
+                return call(x)[0]
+
         full = lambda: step(call, x)  # noqa: E731
-        clock.time(fwd, prep)
-        fwd_ms = [clock.time(fwd, prep) for _ in range(args.timing_runs)]
-        clock.time(full, prep)
-        full_ms = [clock.time(full, prep) for _ in range(args.timing_runs)]
+        for key, fn in (("fwd", fwd), ("fwd_nograd", fwd_nograd), ("fwd_bwd", full)):
+            clock.time2(fn, prep)
+            runs = [clock.time2(fn, prep) for _ in range(args.timing_runs)]
+            result[f"{key}_ms"] = statistics.median(r[0] for r in runs)
+            result[f"{key}_host_ms"] = statistics.median(r[1] for r in runs)
         release_grads(x)
-        result["fwd_ms"] = statistics.median(fwd_ms)
-        result["fwd_bwd_ms"] = statistics.median(full_ms)
+
+        if cuda:
+            # The same step once more after emptying the allocator cache: reserved without the warm-up's blocks.
+            torch.cuda.empty_cache()
+            sync()
+            torch.cuda.reset_peak_memory_stats()
+            o = step(call, x)
+            sync()
+            result["peak_alloc_clean_gib"] = torch.cuda.max_memory_allocated() / GIB
+            result["peak_reserved_clean_gib"] = torch.cuda.max_memory_reserved() / GIB
+            del o
+            release_grads(x)
         result["status"] = "ok"
         return result
     except torch.cuda.OutOfMemoryError as exc:
@@ -303,42 +482,101 @@ def run_cell(args, say) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kdakit.memory.measure_worker",
-                                description="one backend x shape cell of the SPEC §3 memory protocol")
+                                description="one backend x shape cell of the SPEC §3 memory protocol "
+                                            "(or several cells in one process with --cells)")
     p.add_argument("--backend", required=True, choices=["kdakit", "fla", "reference"])
-    p.add_argument("--mbs", type=int, required=True)
-    p.add_argument("--seq", type=int, required=True)
-    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--mbs", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--heads", type=int, help="q/k heads H")
+    p.add_argument("--value-heads", type=int, default=None, help="value heads HV, a multiple of H (default H)")
+    p.add_argument("--gate", choices=GATES, default="safe",
+                   help="safe: lower_bound -5 * sigmoid (SPEC §3); softplus: the unbounded gate, "
+                        "safe_gate=False, lower_bound=None")
+    p.add_argument("--cells", default=None,
+                   help="MBSxSEQ:H[/HV][:gate],... run in this one process, one after the other "
+                        "(instead of --mbs/--seq/--heads/--value-heads/--gate)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--timing-runs", type=int, default=10)
-    p.add_argument("--warmup-seq", type=int, default=2048)
+    p.add_argument("--warmup-seq", type=int, default=DEFAULT_WARMUP_SEQ)
     p.add_argument("--warmup-iters", type=int, default=2)
+    p.add_argument("--warmup-only", action="store_true",
+                   help="only the small warm-up and one step at the cell's shape (compile / autotune), no figures")
+    p.add_argument("--no-cu-seqlens-cpu", action="store_true",
+                   help="do not pass cu_seqlens_cpu (the host copy of the offsets) to the backend")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=None)
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[Cell]]:
+    """The parsed arguments and the cells they name (one cell unless ``--cells``)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.cells is not None:
+        if any(getattr(args, n) is not None for n in ("mbs", "seq", "heads", "value_heads")) or args.gate != "safe":
+            p.error("--cells replaces --mbs/--seq/--heads/--value-heads/--gate")
+        try:
+            cells = parse_cells(args.cells)
+        except ValueError as exc:
+            p.error(str(exc))
+    else:
+        missing = [f"--{n}" for n in ("mbs", "seq", "heads") if getattr(args, n) is None]
+        if missing:
+            p.error(f"the following arguments are required: {', '.join(missing)} (or --cells)")
+        try:
+            cells = [Cell(args.mbs, args.seq, args.heads, args.value_heads, args.gate)]
+        except ValueError as exc:
+            p.error(str(exc))
+    if args.reps <= 0 or args.timing_runs <= 0:
+        p.error("--reps and --timing-runs must be positive")
+    return args, cells
+
+
+def _release_all() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - best effort between cells
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, cells = parse_args(argv)
     if args.device == "cpu" and not args.dry_run:
         print("measure_worker: --device cpu needs --dry-run (CPU has no allocator peak statistics)", file=sys.stderr)
         return 2
     # The protocol's environment must be in place before torch (allocator) or FLA load.
     os.environ.update(protocol_env(args.backend, {}))
-    say = _Progress(f"{args.backend} {args.mbs}x{args.seq}:{args.heads}")
-    t0 = time.perf_counter()
-    try:
-        result = run_cell(args, say)
-    except Exception as exc:  # report, do not crash silently: the parent records the cell
-        result = {"backend": args.backend, "mbs": args.mbs, "seq": args.seq, "heads": args.heads,
-                  "status": "error", "message": f"{type(exc).__name__}: {exc}"}
-        traceback.print_exc(file=sys.stderr)
-    result["wall_s"] = time.perf_counter() - t0
-    say(f"done: {result['status']}")
-    print(RESULT_MARKER + json.dumps(result), flush=True)
-    return 0 if result["status"] in ("ok", "oom") else 1
+    shared = len(cells) > 1
+    worst = 0
+    for i, cell in enumerate(cells):
+        cargs = argparse.Namespace(**vars(args))
+        cargs.mbs, cargs.seq, cargs.heads, cargs.value_heads, cargs.gate = (
+            cell.mbs, cell.seq, cell.heads, cell.value_heads, cell.gate)
+        cargs.process = f"shared ({i + 1} of {len(cells)} cells in one process)" if shared else "fresh"
+        if i:
+            _release_all()
+        say = _Progress(f"{args.backend} {cell.label}")
+        t0 = time.perf_counter()
+        try:
+            result = run_cell(cargs, say)
+        except Exception as exc:  # report, do not crash silently: the parent records the cell
+            result = {"backend": args.backend, **cell.fields(), "status": "error",
+                      "message": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc(file=sys.stderr)
+        result["wall_s"] = time.perf_counter() - t0
+        say(f"done: {result['status']}")
+        print(RESULT_MARKER + json.dumps(result), flush=True)
+        if result["status"] not in ("ok", "oom", "warm"):
+            worst = 1
+    return worst
 
 
 if __name__ == "__main__":
