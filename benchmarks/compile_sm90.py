@@ -15,8 +15,8 @@ from triton.compiler import ASTSource
 
 import kdakit.ops.kda.chunk_bwd as M
 
-TOK = {"q", "k", "v", "g", "beta", "do", "dq", "dk", "dv", "dg", "dbeta", "tinv", "hs", "dhs"}
-F32 = {"A_log", "dt_bias", "dA_part", "dbias_part", "h0", "dht", "dh0"}
+TOK = {"q", "k", "v", "g", "beta", "do", "dq", "dk", "dv", "dg", "dbeta", "tinv", "hs", "dhs", "w", "kd", "aqk", "akk"}
+F32 = {"A_log", "dt_bias", "dA_part", "dbias_part", "h0", "dht", "dh0", "egc"}
 
 
 def build(fn, const, warps):
@@ -68,7 +68,9 @@ def main():
     if "prep" in only:
         build(M.chunk_kda_bwd_prep_kernel, dict(c, SUBC=16, BK=128, BV=128, BKS=16, SAFE=bool(a.safe)), a.warps_prep)
     if "states" in only:
-        build(M.chunk_kda_bwd_states_kernel, dict(c, BK=128, BV=M.STATES_BLOCK_V, HAS_H0=False, HAS_DHT=False,
+        sc = {n: c[n] for n in ("K", "V", "C", "BETA_SIGMOID", "NEG_EIGVAL", "IS_VARLEN", "OP_BF16", "EMULATE_BF16",
+                                "DOT_PREC")}
+        build(M.chunk_kda_bwd_states_kernel, dict(sc, BK=128, BV=M.STATES_BLOCK_V, HAS_H0=False, HAS_DHT=False,
                                                   STORE_DH0=False, LOOP_WHILE=False), a.warps_states)
     if "grads" in only:
         build(M.chunk_kda_bwd_grads_kernel, dict(c, SUBC=16, BK=128, BV=128, BVS=M.GRADS_BLOCK_V, BKS=16, GROUP=1, SAFE=bool(a.safe)),

@@ -54,6 +54,7 @@ from kdakit.ops.kda.chunk_tiles import (
     pairwise_offdiag,
     pairwise_offdiag_bwd,
     round_to_bf16,
+    round_to_bf16_if,
     store_unit_lower_inverse,
 )
 
@@ -138,20 +139,16 @@ def _pairwise_bwd(dA, x, y, G, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq
 
 
 @triton.jit
-def _chunk_w_kd(k_base, g_base, b_base, bias_ptr, tinv_base, t0, seq_len, H, HV, K, expA, lower_bound, stride_bias,
-                C: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-                OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    """A serial step's S-independent operands: (Tinv [C, C], W [C, BK], kd [C, BK], exp(g_C) [BK], beta [C])."""
-    kn, _ = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
-    a = load_gate(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, expA, lower_bound, C, BK, GATE, HAS_BIAS, stride_bias)
-    G = tl.cumsum(a, axis=0)  # [C, BK]
-    gcs = tl.sum(a, axis=0)  # [BK]: G at the last real row (padded rows add 0)
-    bt, _ = load_beta(b_base, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)
-    Ti = load_unit_lower(tinv_base, t0, seq_len, HV * C, C)  # [C, C]
-    W = mm(Ti, kn * tl.exp(G) * bt[:, None], OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, BK]
-    kd = kn * tl.exp(gcs[None, :] - G)  # [C, BK], <= |k|
-    return Ti, W, kd, tl.exp(gcs), bt
+def load_step_operands(w_base, kd_base, tinv_base, egc_row, t0, seq_len, HV, K,
+                       C: tl.constexpr, BK: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """A serial step's S-independent operands as the prep kernel stored them:
+    (Tinv [C, C], W [C, BK], kd [C, BK] as dot operands, exp(g_C) [BK] fp32)."""
+    Ti = dot_operand(load_unit_lower(tinv_base, t0, seq_len, HV * C, C), OP_BF16, EMULATE_BF16)
+    W = dot_operand(load_rows(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
+    kd = dot_operand(load_rows(kd_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
+    c = tl.arange(0, BK)
+    egc = tl.load(egc_row + c, mask=c < K, other=0.0)
+    return Ti, W, kd, egc
 
 
 # ---------------------------------------------------------------------------------------
@@ -161,7 +158,7 @@ def _chunk_w_kd(k_base, g_base, b_base, bias_ptr, tinv_base, t0, seq_len, H, HV,
 
 @triton.jit
 def chunk_kda_bwd_prep_kernel(
-    q, k, g, beta, A_log, dt_bias, do, tinv, dhs, cu_seqlens, chunk_table,
+    q, k, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, dhs, cu_seqlens, chunk_table,
     scale, lower_bound, T, H, HV, NTS, stride_alog, stride_bias,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -189,14 +186,24 @@ def chunk_kda_bwd_prep_kernel(
                     OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, C]
     tinv_base = tinv + (bos * HV + i_hv) * C
     store_unit_lower_inverse(Akk * bt[:, None], tinv_base, t0, seq_len, HV * C, C, SUBC, EMULATE_BF16)
+    tok_c = (bos * HV + i_hv) * C
+    store_rows(akk + tok_c, round_to_bf16_if(Akk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
     tl.debug_barrier()  # the stored inverse is re-read below by other threads of this program
     Ti = load_unit_lower(tinv_base, t0, seq_len, HV * C, C)  # [C, C], as the later kernels see it
 
     Aqk = _pairwise(qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
                     lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, True,
                     OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, C]
+    store_rows(aqk + tok_c, round_to_bf16_if(Aqk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
     gam = tl.exp(G)
-    W = mm(Ti, kn * gam * bt[:, None], OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, BK]
+    W = round_to_bf16_if(mm(Ti, kn * gam * bt[:, None], OP_BF16, EMULATE_BF16, DOT_PREC), EMULATE_BF16)  # [C, BK]
+    gcs = tl.sum(a, axis=0)  # [BK]: G at the last real row (padded rows add 0)
+    tok_k = (bos * HV + i_hv) * K
+    store_rows(w + tok_k, W, t0, seq_len, HV * K, 0, K, C, BK)
+    store_rows(kd + tok_k, round_to_bf16_if(kn * tl.exp(gcs[None, :] - G), EMULATE_BF16), t0, seq_len, HV * K, 0, K,
+               C, BK)
+    cols = tl.arange(0, BK)
+    tl.store(egc + (i_t * HV + i_hv) * K + cols, tl.exp(gcs), mask=cols < K)
     sdo = scale * load_rows(do + (bos * HV + i_hv) * V, t0, seq_len, HV * V, 0, V, C, BV)  # [C, BV]
     P = mm(tl.trans(qn * gam), sdo, OP_BF16, EMULATE_BF16, DOT_PREC) \
         - mm(tl.trans(W), mm(tl.trans(Aqk), sdo, OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16, DOT_PREC)
@@ -211,54 +218,45 @@ def chunk_kda_bwd_prep_kernel(
 
 
 @triton.jit
-def _forward_step(S, i_c, c0, k_base, v_base, g_base, b_base, bias_ptr, tinv_base, hs, i_hv, seq_len, H, HV, v0,
-                  expA, lower_bound, stride_bias,
+def _forward_step(S, i_c, c0, v_base, b_base, w_base, kd_base, tinv_base, egc, hs, i_hv, seq_len, HV, v0,
                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  GATE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-                  NEG_EIGVAL: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
+                  BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, OP_BF16: tl.constexpr,
+                  EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
     t0 = i_c * C
-    Sst = S
-    if EMULATE_BF16:
-        Sst = round_to_bf16(S)
-    store_matrix(hs + ((c0 + i_c) * HV + i_hv) * (K * V), Sst, V, 1, K, V, v0, BK, BV)
-    Ti, W, kd, egc, bt = _chunk_w_kd(k_base, g_base, b_base, bias_ptr, tinv_base, t0, seq_len, H, HV, K, expA,
-                                     lower_bound, stride_bias, C, BK, GATE, HAS_BIAS, USE_L2NORM, BETA_SIGMOID,
-                                     NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
+    row = (c0 + i_c) * HV + i_hv
+    store_matrix(hs + row * (K * V), round_to_bf16_if(S, EMULATE_BF16), V, 1, K, V, v0, BK, BV)
+    Ti, W, kd, egc_c = load_step_operands(w_base, kd_base, tinv_base, egc + row * K, t0, seq_len, HV, K, C, BK,
+                                          OP_BF16, EMULATE_BF16)
+    bt, _ = load_beta(b_base, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)
     vt = load_rows(v_base, t0, seq_len, HV * V, v0, V, C, BV)  # [C, BV]
-    vn = mm(Ti, vt * bt[:, None], OP_BF16, EMULATE_BF16, DOT_PREC) - mm(W, S, OP_BF16, EMULATE_BF16, DOT_PREC)
-    return S * egc[:, None] + mm(tl.trans(kd), vn, OP_BF16, EMULATE_BF16, DOT_PREC)  # [BK, BV]
+    vn = tl.dot(Ti, dot_operand(vt * bt[:, None], OP_BF16, EMULATE_BF16), input_precision=DOT_PREC) \
+        - tl.dot(W, dot_operand(S, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)
+    return S * egc_c[:, None] + tl.dot(tl.trans(kd), dot_operand(vn, OP_BF16, EMULATE_BF16),
+                                       input_precision=DOT_PREC)  # [BK, BV]
 
 
 @triton.jit
-def _reverse_step(dS, i_c, c0, k_base, g_base, b_base, bias_ptr, tinv_base, dhs, i_hv, seq_len, H, HV, v0,
-                  expA, lower_bound, stride_bias,
+def _reverse_step(dS, i_c, c0, w_base, kd_base, tinv_base, egc, dhs, i_hv, seq_len, HV, v0,
                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  GATE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-                  NEG_EIGVAL: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
+                  OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
     t0 = i_c * C
-    slot = dhs + ((c0 + i_c) * HV + i_hv) * (K * V)
+    row = (c0 + i_c) * HV + i_hv
+    slot = dhs + row * (K * V)
     P = load_matrix(slot, V, 1, K, V, v0, BK, BV)  # [BK, BV]
     tl.debug_barrier()  # every thread has read P before any overwrites it
-    dSst = dS
-    if EMULATE_BF16:
-        dSst = round_to_bf16(dS)
-    store_matrix(slot, dSst, V, 1, K, V, v0, BK, BV)
-    Ti, W, kd, egc, bt = _chunk_w_kd(k_base, g_base, b_base, bias_ptr, tinv_base, t0, seq_len, H, HV, K, expA,
-                                     lower_bound, stride_bias, C, BK, GATE, HAS_BIAS, USE_L2NORM, BETA_SIGMOID,
-                                     NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
-    kdS = mm(kd, dS, OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, BV]
-    return dS * egc[:, None] + P - mm(tl.trans(W), kdS, OP_BF16, EMULATE_BF16, DOT_PREC)
+    store_matrix(slot, round_to_bf16_if(dS, EMULATE_BF16), V, 1, K, V, v0, BK, BV)
+    Ti, W, kd, egc_c = load_step_operands(w_base, kd_base, tinv_base, egc + row * K, t0, seq_len, HV, K, C, BK,
+                                          OP_BF16, EMULATE_BF16)
+    kdS = tl.dot(kd, dot_operand(dS, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)  # [C, BV]
+    return dS * egc_c[:, None] + P - tl.dot(tl.trans(W), dot_operand(kdS, OP_BF16, EMULATE_BF16),
+                                            input_precision=DOT_PREC)
 
 
 @triton.jit
 def chunk_kda_bwd_states_kernel(
-    k, v, g, beta, A_log, dt_bias, tinv, hs, dhs, h0, dht, dh0, cu_seqlens, chunk_offsets,
-    lower_bound, T, H, HV, NTS, stride_alog, stride_bias,
+    v, beta, w, kd, tinv, egc, hs, dhs, h0, dht, dh0, cu_seqlens, chunk_offsets, T, HV, NTS,
     s_h0_n, s_h0_h, s_h0_k, s_h0_v, s_dht_n, s_dht_h, s_dht_k, s_dht_v, s_dh0_n, s_dh0_h, s_dh0_k, s_dh0_v,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
     DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr,
@@ -268,7 +266,6 @@ def chunk_kda_bwd_states_kernel(
     role = tl.program_id(2)
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -279,13 +276,11 @@ def chunk_kda_bwd_states_kernel(
         c0 = i_n.to(tl.int64) * NTS
     seq_len = (eos - bos).to(tl.int32)
     v0 = i_v * BV
-    k_base = k + (bos * H + i_h) * K
     v_base = v + (bos * HV + i_hv) * V
-    g_base = g + (bos * HV + i_hv) * K
     b_base = beta + bos * HV + i_hv
-    bias_ptr = bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS)
+    w_base = w + (bos * HV + i_hv) * K
+    kd_base = kd + (bos * HV + i_hv) * K
     tinv_base = tinv + (bos * HV + i_hv) * C
-    expA = gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG)
     n_chunks = tl.cdiv(seq_len, C)
 
     if role == 0:
@@ -296,15 +291,13 @@ def chunk_kda_bwd_states_kernel(
             # The interpreter cannot take range() of a program-dependent bound; a while loop it can.
             i_c = 0
             while i_c < n_chunks:
-                S = _forward_step(S, i_c, c0, k_base, v_base, g_base, b_base, bias_ptr, tinv_base, hs, i_hv, seq_len,
-                                  H, HV, v0, expA, lower_bound, stride_bias, K, V, C, BK, BV, GATE, HAS_BIAS,
-                                  USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
+                S = _forward_step(S, i_c, c0, v_base, b_base, w_base, kd_base, tinv_base, egc, hs, i_hv, seq_len, HV,
+                                  v0, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
                 i_c += 1
         else:
             for i_c in range(0, n_chunks):
-                S = _forward_step(S, i_c, c0, k_base, v_base, g_base, b_base, bias_ptr, tinv_base, hs, i_hv, seq_len,
-                                  H, HV, v0, expA, lower_bound, stride_bias, K, V, C, BK, BV, GATE, HAS_BIAS,
-                                  USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
+                S = _forward_step(S, i_c, c0, v_base, b_base, w_base, kd_base, tinv_base, egc, hs, i_hv, seq_len, HV,
+                                  v0, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
     else:
         dS = tl.zeros([BK, BV], dtype=tl.float32)
         if HAS_DHT:
@@ -312,15 +305,13 @@ def chunk_kda_bwd_states_kernel(
         if LOOP_WHILE:
             i_c = n_chunks - 1
             while i_c >= 0:
-                dS = _reverse_step(dS, i_c, c0, k_base, g_base, b_base, bias_ptr, tinv_base, dhs, i_hv, seq_len,
-                                   H, HV, v0, expA, lower_bound, stride_bias, K, V, C, BK, BV, GATE, HAS_BIAS,
-                                   USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
+                dS = _reverse_step(dS, i_c, c0, w_base, kd_base, tinv_base, egc, dhs, i_hv, seq_len, HV, v0,
+                                   K, V, C, BK, BV, OP_BF16, EMULATE_BF16, DOT_PREC)
                 i_c -= 1
         else:
             for step in range(0, n_chunks):
-                dS = _reverse_step(dS, n_chunks - 1 - step, c0, k_base, g_base, b_base, bias_ptr, tinv_base, dhs,
-                                   i_hv, seq_len, H, HV, v0, expA, lower_bound, stride_bias, K, V, C, BK, BV, GATE,
-                                   HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
+                dS = _reverse_step(dS, n_chunks - 1 - step, c0, w_base, kd_base, tinv_base, egc, dhs, i_hv, seq_len,
+                                   HV, v0, K, V, C, BK, BV, OP_BF16, EMULATE_BF16, DOT_PREC)
         if STORE_DH0:
             store_matrix(dh0 + i_n.to(tl.int64) * s_dh0_n + i_hv * s_dh0_h, dS, s_dh0_k, s_dh0_v, K, V, v0, BK, BV)
 
@@ -332,8 +323,8 @@ def chunk_kda_bwd_states_kernel(
 
 @triton.jit
 def _value_head_grads(
-    q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, hs, dhs, dv, dg, dbeta, dA_part, dbias_part,
-    i_t, i_hv, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
+    q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs, dv, dg, dbeta, dA_part,
+    dbias_part, i_t, i_hv, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BVS: tl.constexpr, BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
@@ -354,18 +345,12 @@ def _value_head_grads(
     expA = gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG)
     bt, braw = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
 
-    # ---- operands of the V loop (bf16 with OP_BF16)
-    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)  # [C, BK], [C]
-    kn, rk = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
-    a = load_gate(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, expA, lower_bound, C, BK, GATE, HAS_BIAS, stride_bias)
-    G = tl.cumsum(a, axis=0)
-    gcs = tl.sum(a, axis=0)  # [BK]
-    Aqk = dot_operand(_pairwise(qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K,
-                                expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, True,
-                                OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16)  # [C, C]
-    Ti = dot_operand(load_unit_lower(tinv + (bos * HV + i_hv) * C, t0, seq_len, HV * C, C), OP_BF16, EMULATE_BF16)
-    W = dot_operand(mm(Ti, kn * tl.exp(G) * bt[:, None], OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16)
-    kd = dot_operand(kn * tl.where(real[:, None], tl.exp(gcs[None, :] - G), 0.0), OP_BF16, EMULATE_BF16)
+    # ---- operands of the V loop, as the prep kernel stored them (bf16 with OP_BF16)
+    tok_c = (bos * HV + i_hv) * C
+    Aqk = dot_operand(tl.where(causal, load_rows(aqk + tok_c, t0, seq_len, HV * C, 0, C, C, C), 0.0),
+                      OP_BF16, EMULATE_BF16)  # [C, C]
+    Ti, W, kdo, egc_c = load_step_operands(w + tok_k, kd + tok_k, tinv + tok_c, egc + (i_t * HV + i_hv) * K, t0,
+                                           seq_len, HV, K, C, BK, OP_BF16, EMULATE_BF16)
 
     # ---- the V loop: products with the state S entering the chunk and the state gradient dS' leaving it
     dqg = tl.zeros([C, BK], dtype=tl.float32)  # d(qΓ)
@@ -391,13 +376,13 @@ def _value_head_grads(
         dkd += tl.dot(vn, tl.trans(dho), input_precision=DOT_PREC)
         dAqk += tl.dot(sdo, tl.trans(vn), input_precision=DOT_PREC)
         dvn = dot_operand(tl.dot(tl.trans(Aqk), sdo, input_precision=DOT_PREC)
-                          + tl.dot(kd, dho, input_precision=DOT_PREC), OP_BF16, EMULATE_BF16)  # dV'
+                          + tl.dot(kdo, dho, input_precision=DOT_PREC), OP_BF16, EMULATE_BF16)  # dV'
         dW -= tl.dot(dvn, tl.trans(ho), input_precision=DOT_PREC)
         dXv = tl.dot(tl.trans(Ti), dvn, input_precision=DOT_PREC)  # [C, BVS]
         db += tl.sum(vt * dXv, axis=1)
         dTi += tl.dot(dvn, tl.trans(vb), input_precision=DOT_PREC)
         store_rows(dv + tok_v, dXv * bt[:, None], t0, seq_len, HV * V, v0, V, C, BVS)
-    dgc = dgc * tl.exp(gcs)
+    dgc = dgc * egc_c
     dAqk = tl.where(causal, dAqk, 0.0)
 
     # ---- W = Tinv (beta kΓ), Tinv = (I + A)^-1 with A = beta Akk: dA = -Tinv^T dTinv Tinv^T (strictly lower)
@@ -406,6 +391,7 @@ def _value_head_grads(
     x = gate_preact(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, stride_bias, C, BK, HAS_BIAS)  # [C, BK]
     a = gate_from_preact(x, t0, seq_len, 0, K, expA, lower_bound, C, BK, GATE)
     G = tl.cumsum(a, axis=0)
+    gcs = tl.sum(a, axis=0)  # [BK]
     gam = tl.exp(G)
     edec = tl.where(real[:, None], tl.exp(gcs[None, :] - G), 0.0)
     kg = kn * gam
@@ -415,10 +401,7 @@ def _value_head_grads(
     dAm = -mm(tl.trans(Ti), mm(dTi, tl.trans(Ti), OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16,
               DOT_PREC)
     dAm = tl.where(strict, dAm, 0.0)
-    Akk = _pairwise(kn, kn, G, k_base, k_base, rk, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
-                    lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, False,
-                    OP_BF16, EMULATE_BF16, DOT_PREC)
-    db += tl.sum(dAm * Akk, axis=1)
+    db += tl.sum(dAm * load_rows(akk + tok_c, t0, seq_len, HV * C, 0, C, C, C), axis=1)
 
     # ---- pairwise terms; decay gradient dG = x dx - y dy of each pairwise matrix (its i = j terms
     # cancel exactly and are left out), plus the Γ, kd and exp(g_C) factors
@@ -451,7 +434,7 @@ def _value_head_grads(
 
 @triton.jit
 def chunk_kda_bwd_grads_kernel(
-    q, k, v, g, beta, A_log, dt_bias, do, tinv, hs, dhs,
+    q, k, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs,
     dq, dk, dv, dg, dbeta, dA_part, dbias_part, cu_seqlens, chunk_table,
     scale, lower_bound, T, H, HV, NTS, stride_alog, stride_bias,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -467,8 +450,8 @@ def chunk_kda_bwd_grads_kernel(
     k_base = k + (bos * H + i_h) * K
     if GROUP == 1:
         dqn, dkn = _value_head_grads(
-            q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, hs, dhs, dv, dg, dbeta, dA_part, dbias_part,
-            i_t, i_h, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
+            q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs, dv, dg, dbeta,
+            dA_part, dbias_part, i_t, i_h, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
             K, V, C, SUBC, BK, BV, BVS, BKS, GATE, HAS_A_LOG, HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL, SAFE,
             OP_BF16, EMULATE_BF16, DOT_PREC)
     else:
@@ -477,8 +460,8 @@ def chunk_kda_bwd_grads_kernel(
         dkn = tl.zeros([C, BK], dtype=tl.float32)
         for j in range(GROUP):
             dqj, dkj = _value_head_grads(
-                q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, hs, dhs, dv, dg, dbeta, dA_part, dbias_part,
-                i_t, i_h * GROUP + j, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
+                q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs, dv, dg, dbeta,
+                dA_part, dbias_part, i_t, i_h * GROUP + j, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
                 K, V, C, SUBC, BK, BV, BVS, BKS, GATE, HAS_A_LOG, HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL,
                 SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
             dqn += dqj
@@ -604,6 +587,11 @@ def chunk_kda_bwd(
         dh0 = torch.empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=f32, device=dev)
     slot_dtype = f32 if dt == f32 else dt
     tinv = torch.empty((B, T, HV, C), dtype=slot_dtype, device=dev)
+    aqk = torch.empty((B, T, HV, C), dtype=slot_dtype, device=dev)
+    akk = torch.empty((B, T, HV, C), dtype=slot_dtype, device=dev)
+    w = torch.empty((B, T, HV, K), dtype=slot_dtype, device=dev)
+    kd = torch.empty((B, T, HV, K), dtype=slot_dtype, device=dev)
+    egc = torch.empty((NT, HV, K), dtype=f32, device=dev)
     hs = torch.empty((NT, HV, K, V), dtype=slot_dtype, device=dev)
     dhs = torch.empty((NT, HV, K, V), dtype=slot_dtype, device=dev)
 
@@ -614,7 +602,7 @@ def chunk_kda_bwd(
     if os.environ.get("XP"): pcommon["OP_BF16"] = False
     if NT * HV > 0:
         chunk_kda_bwd_prep_kernel[(NT, HV)](
-            q, k, g, beta, A_log, dt_bias, do, tinv, dhs, cu_seqlens, pairs,
+            q, k, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, dhs, cu_seqlens, pairs,
             float(scale), lb, T, H, HV, NTS, stride_alog, stride_bias,
             K=K, V=V, C=C, SUBC=SUB, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), SAFE=safe, **pcommon,
             num_warps=PREP_NUM_WARPS, num_stages=1,
@@ -622,24 +610,24 @@ def chunk_kda_bwd(
     if N * HV > 0:
         bv = min(STATES_BLOCK_V, BV)
         chunk_kda_bwd_states_kernel[(N * HV, triton.cdiv(V, bv), 2)](
-            k, v, g, beta, A_log, dt_bias, tinv, hs, dhs, initial_state, dht, dh0, cu_seqlens, firsts,
-            lb, T, H, HV, NTS, stride_alog, stride_bias,
+            v, beta, w, kd, tinv, egc, hs, dhs, initial_state, dht, dh0, cu_seqlens, firsts, T, HV, NTS,
             *_state_strides(initial_state, state_v_first), *_state_strides(dht, state_v_first),
             *_state_strides(dh0, state_v_first),
             K=K, V=V, C=C, BK=BK, BV=bv, HAS_H0=initial_state is not None, HAS_DHT=dht is not None,
-            STORE_DH0=dh0 is not None, LOOP_WHILE=interp, **common,
+            STORE_DH0=dh0 is not None, LOOP_WHILE=interp, BETA_SIGMOID=common["BETA_SIGMOID"],
+            NEG_EIGVAL=common["NEG_EIGVAL"], IS_VARLEN=varlen, OP_BF16=op_bf16, EMULATE_BF16=emulate, DOT_PREC=prec,
             num_warps=STATES_NUM_WARPS, num_stages=1,
         )
     if NT * H > 0:
         chunk_kda_bwd_grads_kernel[(NT, H)](
-            q, k, v, g, beta, A_log, dt_bias, do, tinv, hs, dhs,
+            q, k, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs,
             dq, dk, dv, dg, dbeta, dA_part, dbias_part, cu_seqlens, pairs,
             float(scale), lb, T, H, HV, NTS, stride_alog, stride_bias,
             K=K, V=V, C=C, SUBC=SUB, BK=BK, BV=BV, BVS=min(GRADS_BLOCK_V, BV), BKS=min(EXACT_KEY_SLICE, BK),
             GROUP=HV // H, SAFE=safe, **gcommon,
             num_warps=GRADS_NUM_WARPS, num_stages=1,
         )
-    del tinv, hs, dhs, pairs, firsts
+    del tinv, aqk, akk, w, kd, egc, hs, dhs, pairs, firsts
 
     dA_log = ddt_bias = None
     if A_log is not None:

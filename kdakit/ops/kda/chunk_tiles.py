@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import load_rows, pairwise_exact, round_to_bf16
+from kdakit.ops.kda.chunk_common import load_rows, pairwise_exact, round_to_bf16, round_to_bf16_if  # noqa: F401
 
 CHUNK = 64  # tokens per chunk (C)
 SUB = 16  # tokens per sub-chunk (the pairwise matrices' numerically safe block)

@@ -3,6 +3,14 @@
 Each failure raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong
 value or shape) naming the argument, what was expected and what was got. Nothing
 here modifies an input.
+
+Host synchronization: the checks read only tensor metadata (shape, dtype, device),
+never the values of a device tensor, with one exception: ``cu_seqlens`` without
+``cu_seqlens_cpu`` is read to the host once (one device->host copy for CUDA tensors)
+to check its values and to give ``KDAShape.seqlens``. With ``cu_seqlens_cpu`` (a CPU
+copy of the same offsets) the values are checked and read from that copy and
+``cu_seqlens`` is not read at all; fixed-length inputs (``cu_seqlens=None``) are
+never read.
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ class KDAShape:
     K: int
     V: int
     N: int  # number of sequences (B, or len(cu_seqlens) - 1)
-    # Tokens per packed sequence, read once from cu_seqlens (a device read for CUDA tensors) so
-    # that later host-side work (the plan) needs no second read; None without cu_seqlens.
+    # Tokens per packed sequence, read once on the host (from cu_seqlens_cpu when given, else from
+    # cu_seqlens: a device read for CUDA tensors) so that later host-side work (the plan) needs no
+    # second read; None without cu_seqlens.
     seqlens: tuple[int, ...] | None = None
 
 
@@ -45,6 +54,26 @@ def _check_tensor(name: str, t, ndim: int, dtypes=FLOAT_DTYPES) -> None:
         raise ValueError(f"{name} must be {ndim}-D, got {t.dim()}-D tensor of shape {_shape(t)}")
 
 
+def _check_offsets_meta(name: str, cu) -> None:
+    """Kind, dtype and shape of a ``cu_seqlens``-like tensor (metadata only: nothing is read)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must have an integer dtype (int32 or int64), got {str(cu.dtype).replace('torch.', '')}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with at least 2 entries, got shape {_shape(cu)}")
+
+
+def _check_offset_values(name: str, cu: list[int], T: int) -> None:
+    """Values of offsets already on the host: start at 0, non-decreasing, end at T."""
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {cu[0]}")
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{name} must be non-decreasing, got {cu}")
+    if cu[-1] != T:
+        raise ValueError(f"{name} must end at T={T} (q.shape[1]), got {cu[-1]}")
+
+
 def validate_kda_inputs(
     q, k, v, g, beta, *,
     scale,
@@ -58,8 +87,17 @@ def validate_kda_inputs(
     dt_bias,
     state_v_first: bool,
     cu_seqlens,
+    cu_seqlens_cpu=None,
 ) -> KDAShape:
-    """Check the full ``chunk_kda`` / ``fused_recurrent_kda`` contract (SPEC §2)."""
+    """Check the full ``chunk_kda`` / ``fused_recurrent_kda`` contract (SPEC §2).
+
+    ``cu_seqlens_cpu`` (FLA 0.6.0's argument): a CPU int32/int64 tensor holding the same offsets
+    as ``cu_seqlens``. When given, its values are checked (start 0, non-decreasing, end at T) and
+    the sequence lengths come from it; ``cu_seqlens`` gets only its metadata checked (dtype,
+    shape, length equal to ``cu_seqlens_cpu``'s, device) and its values are not read, so the
+    call does no device->host synchronization. Comparing the two would need that read: the
+    caller promises they are equal, as in FLA.
+    """
     _check_tensor("q", q, 4)
     _check_tensor("k", k, 4)
     _check_tensor("v", v, 4)
@@ -114,22 +152,26 @@ def validate_kda_inputs(
             raise ValueError(f"dt_bias must have shape [HV * K] = [{HV * K}], got {_shape(dt_bias)}")
 
     N, seqlens = B, None
+    if cu_seqlens_cpu is not None and cu_seqlens is None:
+        raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens and needs cu_seqlens, got cu_seqlens=None")
     if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor):
-            raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must have an integer dtype (int32 or int64), got {str(cu_seqlens.dtype).replace('torch.', '')}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {_shape(cu_seqlens)}")
+        _check_offsets_meta("cu_seqlens", cu_seqlens)
         if B != 1:
             raise ValueError(f"the batch size B must be 1 with cu_seqlens (packed sequences), got B={B}")
-        cu = cu_seqlens.tolist()
-        if cu[0] != 0:
-            raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
-        if any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
-        if cu[-1] != T:
-            raise ValueError(f"cu_seqlens must end at T={T} (q.shape[1]), got {cu[-1]}")
+        if cu_seqlens_cpu is None:
+            cu = cu_seqlens.tolist()  # the one device read of a call without cu_seqlens_cpu
+            name = "cu_seqlens"
+        else:
+            _check_offsets_meta("cu_seqlens_cpu", cu_seqlens_cpu)
+            if cu_seqlens_cpu.device.type != "cpu":
+                raise ValueError(f"cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens), "
+                                 f"got device {cu_seqlens_cpu.device}")
+            if cu_seqlens_cpu.numel() != cu_seqlens.numel():
+                raise ValueError(f"cu_seqlens_cpu must have cu_seqlens's length {cu_seqlens.numel()}, "
+                                 f"got {cu_seqlens_cpu.numel()}")
+            cu = cu_seqlens_cpu.tolist()  # host memory: no synchronization
+            name = "cu_seqlens_cpu"
+        _check_offset_values(name, cu, T)
         N = len(cu) - 1
         seqlens = tuple(b - a for a, b in zip(cu, cu[1:]))
 
