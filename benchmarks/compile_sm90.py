@@ -61,6 +61,7 @@ def main():
     ap.add_argument("--warps-prep", type=int, default=M.PREP_NUM_WARPS)
     ap.add_argument("--safe", type=int, default=1)
     ap.add_argument("--only", default="prep,states,grads")
+    ap.add_argument("--states-bv", type=int, default=M.STATES_BLOCK_V)
     a = ap.parse_args()
     c = dict(K=128, V=128, C=64, GATE=2, HAS_A_LOG=True, HAS_BIAS=True, USE_L2NORM=True, BETA_SIGMOID=True,
              NEG_EIGVAL=False, IS_VARLEN=True, OP_BF16=True, EMULATE_BF16=False, DOT_PREC="tf32")
@@ -70,7 +71,7 @@ def main():
     if "states" in only:
         sc = {n: c[n] for n in ("K", "V", "C", "BETA_SIGMOID", "NEG_EIGVAL", "IS_VARLEN", "OP_BF16", "EMULATE_BF16",
                                 "DOT_PREC")}
-        build(M.chunk_kda_bwd_states_kernel, dict(sc, BK=128, BV=M.STATES_BLOCK_V, HAS_H0=False, HAS_DHT=False,
+        build(M.chunk_kda_bwd_states_kernel, dict(sc, BK=128, BV=a.states_bv, HAS_H0=False, HAS_DHT=False,
                                                   STORE_DH0=False, LOOP_WHILE=False), a.warps_states)
     if "grads" in only:
         build(M.chunk_kda_bwd_grads_kernel, dict(c, SUBC=16, BK=128, BV=128, BVS=M.GRADS_BLOCK_V, BKS=16, GROUP=1, SAFE=bool(a.safe)),

@@ -4,6 +4,11 @@ Validates the arguments (SPEC §2), then runs the Triton kernels (CUDA tensors, 
 tensors under ``TRITON_INTERPRET=1`` with ``KDAKIT_BACKEND=triton``) or the chunked
 PyTorch reference (CPU tensors, or ``KDAKIT_BACKEND=torch``). See
 ``kdakit/ops/kda/backend.py`` for the selection rule; there is no silent fallback.
+
+Host synchronization: a fixed-length call (``cu_seqlens=None``) reads no device tensor's
+values on the host, and neither does a packed call given ``cu_seqlens_cpu``; a packed call
+without it reads ``cu_seqlens`` once (in validation). ``state_indices`` is read once to check
+its range against the pool (one device->host copy per call on that path).
 """
 
 from __future__ import annotations
@@ -73,7 +78,12 @@ def chunk_kda(
         state_v_first: states use the value-first ``[V, K]`` layout.
         cu_seqlens: int ``[N + 1]`` offsets of packed sequences (B must be 1); zero-length
             sequences are legal.
-        cu_seqlens_cpu: accepted for FLA compatibility; unused (kdakit reads ``cu_seqlens``).
+        cu_seqlens_cpu: the same offsets as ``cu_seqlens`` in a CPU int tensor (FLA 0.6.0's
+            argument). With it kdakit validates the offsets and takes the sequence lengths from
+            this host copy and never reads ``cu_seqlens`` back from the device, so the call does
+            no device->host synchronization; the caller promises the two are equal (checking it
+            would need the read). Without it ``cu_seqlens`` is read to the host once per call.
+            Needs ``cu_seqlens``.
         disable_recompute, return_intermediate_states, cp_context, use_graph, max_num_seqs:
             FLA options kdakit does not implement; setting one raises ``ValueError``.
 
@@ -106,15 +116,17 @@ def chunk_kda(
         if not isinstance(checkpoint_every_n_tokens, int) or checkpoint_every_n_tokens <= 0:
             raise ValueError(f"checkpoint_every_n_tokens must be a positive int or None, got {checkpoint_every_n_tokens!r}")
 
-    pool = None
+    pool = padded = None
     if state_indices is not None:
-        pool, initial_state = initial_state, _gather_pool(initial_state, state_indices, q, v, state_v_first)
+        pool = initial_state
+        initial_state, padded = _gather_pool(pool, state_indices, q, v, state_v_first)
 
     shape = validate_kda_inputs(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
         A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
     )
     if scale is None:
         scale = shape.K ** -0.5
@@ -135,22 +147,28 @@ def chunk_kda(
 
         o, final = chunk_kda_triton(q, k, v, g, beta, safe_gate=safe_gate, seqlens=shape.seqlens, **kwargs)
     else:
+        if cu_seqlens_cpu is not None:
+            # The reference reads the offsets on the host: give it the host copy (validated
+            # above, equal to cu_seqlens by the caller's promise) so that it does not read
+            # cu_seqlens back from the device either.
+            kwargs["cu_seqlens"] = cu_seqlens_cpu
         o, final = chunked_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
     if pool is not None:
-        _scatter_pool(pool, final, state_indices)
-        o = _zero_padded_sequences(o, state_indices, cu_seqlens)
+        _scatter_pool(pool, final, state_indices, padded)
+        if padded:
+            o = _zero_padded_sequences(o, padded, shape); _ = None if cu_seqlens is None else torch.repeat_interleave(torch.ones(shape.N), (cu_seqlens[1:] - cu_seqlens[:-1]).long())
     return o, (final if output_final_state else None)
 
 
-def _zero_padded_sequences(o, state_indices, cu_seqlens):
-    """Padded sequences (index -1) give zero output, as in ``kda_decode``."""
-    keep = (state_indices >= 0).to(o.dtype)                                  # [N]
-    if bool(keep.all()):
-        return o
-    if cu_seqlens is None:
-        return o * keep.view(-1, 1, 1, 1)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return o * torch.repeat_interleave(keep, lengths).view(1, -1, 1, 1)
+def _zero_padded_sequences(o, padded, shape):
+    """Padded sequences (index -1; ``padded`` lists them, read on the host) give zero output, as in
+    ``kda_decode``. The token mask is built on the host from ``shape.seqlens``: no device read."""
+    keep = torch.ones(shape.N, dtype=o.dtype)
+    keep[list(padded)] = 0
+    if shape.seqlens is None:
+        return o * keep.to(o.device).view(-1, 1, 1, 1)
+    per_token = torch.repeat_interleave(keep, torch.tensor(shape.seqlens, dtype=torch.long), output_size=shape.T)
+    return o * per_token.to(o.device).view(1, -1, 1, 1)
 
 
 def _gather_pool(pool, state_indices, q, v, state_v_first):
@@ -164,14 +182,26 @@ def _gather_pool(pool, state_indices, q, v, state_v_first):
         raise ValueError(f"the state pool (initial_state) must be 4-D [P, HV, ...], got shape {list(pool.shape)}")
     P = pool.shape[0]
     idx = state_indices.long()
-    if idx.numel() and (int(idx.max()) >= P or int(idx.min()) < -1):
-        raise ValueError(f"state_indices must lie in [-1, {P - 1}] for a pool of {P} rows, got {idx.tolist()}")
+    # The one host read of this path (a device->host copy for CUDA indices): it checks the range
+    # and finds the padded sequences, so that nothing after it reads the indices again.
+    host = idx.tolist()
+    if host and (max(host) >= P or min(host) < -1):
+        raise ValueError(f"state_indices must lie in [-1, {P - 1}] for a pool of {P} rows, got {host}")
+    padded = tuple(n for n, i in enumerate(host) if i < 0)
     rows = pool[idx.clamp(min=0)]
-    return torch.where((idx >= 0)[:, None, None, None], rows, torch.zeros((), dtype=pool.dtype, device=pool.device))
+    if padded:
+        rows = torch.where((idx >= 0)[:, None, None, None], rows, torch.zeros((), dtype=pool.dtype, device=pool.device))
+    return rows, padded
 
 
 @torch.no_grad()
-def _scatter_pool(pool, final, state_indices):
+def _scatter_pool(pool, final, state_indices, padded):
+    """Final states into their pool rows; ``padded`` (host positions of the -1 entries) are skipped.
+    Indexing by host-built positions rather than a device boolean mask keeps this free of syncs."""
     idx = state_indices.long()
-    keep = idx >= 0
-    pool[idx[keep]] = final.detach()[keep].to(pool.dtype)
+    final = final.detach().to(pool.dtype)
+    if padded:
+        pad = set(padded)
+        kept = torch.tensor([n for n in range(idx.numel()) if n not in pad], dtype=torch.long, device=idx.device)
+        idx, final = idx[kept], final[kept]
+    pool[idx] = final

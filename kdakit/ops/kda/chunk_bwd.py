@@ -60,11 +60,11 @@ from kdakit.ops.kda.chunk_tiles import (
 
 MAX_HEAD_DIM = 128
 EXACT_KEY_SLICE = 16  # BKS of the EXACT diagonal blocks: [16, 16, 16] fp32 per slice
-PREP_NUM_WARPS = 4
-STATES_NUM_WARPS = 4
+PREP_NUM_WARPS = 8
+STATES_NUM_WARPS = 8
 GRADS_NUM_WARPS = 8
 STATES_BLOCK_V = 64
-GRADS_BLOCK_V = 64  # the gradient kernel's V loop step
+GRADS_BLOCK_V = 32  # the gradient kernel's V loop step
 
 
 # ---------------------------------------------------------------------------------------
@@ -123,19 +123,29 @@ def _pairwise(x, y, G, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, st
 
 
 @triton.jit
-def _pairwise_bwd(dA, x, y, G, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x, stride_g, K, expA,
-                  lower_bound, stride_bias, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr,
+def _pairwise_bwd(dA, x, y, G, dx, dy, dG, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x, stride_g,
+                  K, expA, lower_bound, stride_bias, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr,
                   BKS: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr,
                   OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    """(dx, dy, dG) through the strictly-lower pairwise terms (the diagonal is the caller's)."""
-    dx, dy, dG = pairwise_offdiag_bwd(dA, x, y, G, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
+    """Adds the strictly-lower pairwise terms' (dx, dy, dG) to the accumulators (the diagonal is the caller's)."""
+    dx, dy, dG = pairwise_offdiag_bwd(dA, x, y, G, dx, dy, dG, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
     if SAFE:
-        ddx, ddy, ddG = pairwise_diag_safe_bwd(dA, x, y, G, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
+        dx, dy, dG = pairwise_diag_safe_bwd(dA, x, y, G, dx, dy, dG, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
     else:
-        ddx, ddy, ddG = pairwise_diag_exact_bwd(dA, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x,
-                                           stride_g, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE,
-                                           HAS_BIAS)
-    return dx + ddx, dy + ddy, dG + ddG
+        dx, dy, dG = pairwise_diag_exact_bwd(dA, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x,
+                                             stride_g, K, expA, lower_bound, stride_bias, dx, dy, dG, C, SUBC, BK,
+                                             BKS, GATE, HAS_BIAS)
+    return dx, dy, dG
+
+
+@triton.jit
+def load_rows_t(base, t0, n_rows, stride_row, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    """``x[t0 + r, c]`` loaded transposed as ``[BC, BR]`` fp32 (a transposed dot operand straight from
+    memory, no register transpose). Rows ``>= n_rows`` and columns ``>= n_cols`` read as 0."""
+    r = t0 + tl.arange(0, BR)
+    c = tl.arange(0, BC)
+    ptrs = base + r.to(tl.int64)[None, :] * stride_row + c[:, None]
+    return tl.load(ptrs, mask=(r < n_rows)[None, :] & (c < n_cols)[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -225,14 +235,16 @@ def _forward_step(S, i_c, c0, v_base, b_base, w_base, kd_base, tinv_base, egc, h
     t0 = i_c * C
     row = (c0 + i_c) * HV + i_hv
     store_matrix(hs + row * (K * V), round_to_bf16_if(S, EMULATE_BF16), V, 1, K, V, v0, BK, BV)
-    Ti, W, kd, egc_c = load_step_operands(w_base, kd_base, tinv_base, egc + row * K, t0, seq_len, HV, K, C, BK,
-                                          OP_BF16, EMULATE_BF16)
+    Ti = dot_operand(load_unit_lower(tinv_base, t0, seq_len, HV * C, C), OP_BF16, EMULATE_BF16)  # [C, C]
+    W = dot_operand(load_rows(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
+    kdT = dot_operand(load_rows_t(kd_base, t0, seq_len, HV * K, K, C, BK), OP_BF16, EMULATE_BF16)  # [BK, C]
+    cols = tl.arange(0, BK)
+    egc_c = tl.load(egc + row * K + cols, mask=cols < K, other=0.0)
     bt, _ = load_beta(b_base, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)
     vt = load_rows(v_base, t0, seq_len, HV * V, v0, V, C, BV)  # [C, BV]
     vn = tl.dot(Ti, dot_operand(vt * bt[:, None], OP_BF16, EMULATE_BF16), input_precision=DOT_PREC) \
         - tl.dot(W, dot_operand(S, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)
-    return S * egc_c[:, None] + tl.dot(tl.trans(kd), dot_operand(vn, OP_BF16, EMULATE_BF16),
-                                       input_precision=DOT_PREC)  # [BK, BV]
+    return S * egc_c[:, None] + tl.dot(kdT, dot_operand(vn, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -245,11 +257,12 @@ def _reverse_step(dS, i_c, c0, w_base, kd_base, tinv_base, egc, dhs, i_hv, seq_l
     P = load_matrix(slot, V, 1, K, V, v0, BK, BV)  # [BK, BV]
     tl.debug_barrier()  # every thread has read P before any overwrites it
     store_matrix(slot, round_to_bf16_if(dS, EMULATE_BF16), V, 1, K, V, v0, BK, BV)
-    Ti, W, kd, egc_c = load_step_operands(w_base, kd_base, tinv_base, egc + row * K, t0, seq_len, HV, K, C, BK,
-                                          OP_BF16, EMULATE_BF16)
+    WT = dot_operand(load_rows_t(w_base, t0, seq_len, HV * K, K, C, BK), OP_BF16, EMULATE_BF16)  # [BK, C]
+    kd = dot_operand(load_rows(kd_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
+    cols = tl.arange(0, BK)
+    egc_c = tl.load(egc + row * K + cols, mask=cols < K, other=0.0)
     kdS = tl.dot(kd, dot_operand(dS, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)  # [C, BV]
-    return dS * egc_c[:, None] + P - tl.dot(tl.trans(W), dot_operand(kdS, OP_BF16, EMULATE_BF16),
-                                            input_precision=DOT_PREC)
+    return dS * egc_c[:, None] + P - tl.dot(WT, dot_operand(kdS, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -405,16 +418,21 @@ def _value_head_grads(
 
     # ---- pairwise terms; decay gradient dG = x dx - y dy of each pairwise matrix (its i = j terms
     # cancel exactly and are left out), plus the Γ, kd and exp(g_C) factors
-    dq1, dk1, dG = _pairwise_bwd(dAqk, qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K,
-                                 HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE,
-                                 OP_BF16, EMULATE_BF16, DOT_PREC)
-    dk2, dk3, dG2 = _pairwise_bwd(dAm * bt[:, None], kn, kn, G, k_base, k_base, rk, rk, g_base, bias_ptr, t0,
-                                  seq_len, H * K, HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE,
-                                  HAS_BIAS, SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
+    # q/k gradients and the decay gradient start with the inter-chunk (state) terms, then gather the pairwise
+    # ones: x dx - y dy of each pairwise matrix (its i = j terms cancel exactly and are left out)
     dkg = dXk * bt[:, None]
     kdf = kn * edec
-    dG += dG2 + qn * gam * dqg + kg * dkg - kdf * dkd
+    dG = qn * gam * dqg + kg * dkg - kdf * dkd
     dgc += tl.sum(kdf * dkd, axis=0)
+    dqn = dqg * gam
+    dkn = dkg * gam + dkd * edec
+    dkn, dky, dG = _pairwise_bwd(dAm * bt[:, None], kn, kn, G, dkn, tl.zeros_like(dkn), dG, k_base, k_base, rk, rk, g_base, bias_ptr,
+                                 t0, seq_len, H * K, HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE,
+                                 HAS_BIAS, SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
+    dkn += dky
+    dqn, dkn, dG = _pairwise_bwd(dAqk, qn, kn, G, dqn, dkn, dG, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len,
+                                 H * K, HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS,
+                                 SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
     da = tl.where(real[:, None], tl.cumsum(dG, axis=0, reverse=True) + dgc[None, :], 0.0)
     dx, dlog = gate_bwd(da, x, a, expA, lower_bound, GATE)
     store_rows(dg + tok_k, dx, t0, seq_len, HV * K, 0, K, C, BK)
@@ -427,9 +445,7 @@ def _value_head_grads(
              mask=real)
     # the diagonal of Aqk (exp(0) = 1): Aqk_ii = q_i . k_i
     dd = tl.sum(tl.where(rows[:, None] == rows[None, :], dAqk, 0.0), axis=1)  # [C]
-    dqn = dqg * gam + dq1 + dd[:, None] * kn
-    dkn = dkg * gam + dkd * edec + dk1 + dk2 + dk3 + dd[:, None] * qn
-    return dqn, dkn
+    return dqn + dd[:, None] * kn, dkn + dd[:, None] * qn
 
 
 @triton.jit

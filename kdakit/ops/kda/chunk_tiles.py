@@ -179,18 +179,15 @@ def pairwise_diag_exact(x_base, y_base, rx, ry, g_base, bias_ptr, t0, n_rows, st
 
 
 @triton.jit
-def pairwise_offdiag_bwd(dA, x, y, G, C: tl.constexpr, SUBC: tl.constexpr,
+def pairwise_offdiag_bwd(dA, x, y, G, dx, dy, dG, C: tl.constexpr, SUBC: tl.constexpr,
                          OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Gradient of pairwise_offdiag: dA ``[C, C]`` -> (dx, dy, dG) ``[C, BK]``.
+    """Gradient of pairwise_offdiag: dA ``[C, C]``; adds to and returns the accumulators (dx, dy, dG) ``[C, BK]``.
 
     dG multiplies the dots' results by the very operands (rounded as the dots saw them) that the other
     side's dot used, so each pair's two terms cancel exactly in the decay gradient's running sums
     whatever the operand rounding: bf16 operands then perturb the inputs, not the cancellation.
     """
     rows = tl.arange(0, C)
-    dx = tl.zeros_like(x)
-    dy = tl.zeros_like(y)
-    dG = tl.zeros_like(x)
     dAo = dot_operand(dA, OP_BF16, EMULATE_BF16)
     for I in tl.static_range(1, C // SUBC):
         r = take_row(G, SUBC * I - 1, C)  # [BK]
@@ -210,10 +207,10 @@ def pairwise_offdiag_bwd(dA, x, y, G, C: tl.constexpr, SUBC: tl.constexpr,
 
 
 @triton.jit
-def pairwise_diag_safe_bwd(dA, x, y, G, C: tl.constexpr, SUBC: tl.constexpr,
+def pairwise_diag_safe_bwd(dA, x, y, G, dx, dy, dG, C: tl.constexpr, SUBC: tl.constexpr,
                            OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
     """Gradient of the strictly-lower part of pairwise_diag_safe (the i = j terms are the caller's):
-    (dx, dy, dG) as in pairwise_offdiag_bwd."""
+    adds to (dx, dy, dG) as pairwise_offdiag_bwd does."""
     rows = tl.arange(0, C)
     ref = _mid_reference(G, C, SUBC)
     ex = tl.exp(G - ref)
@@ -224,25 +221,22 @@ def pairwise_diag_safe_bwd(dA, x, y, G, C: tl.constexpr, SUBC: tl.constexpr,
     ye = dot_operand(y * ey, OP_BF16, EMULATE_BF16)
     D1 = tl.dot(dAs, ye, input_precision=DOT_PREC)
     D2 = tl.dot(tl.trans(dAs), xe, input_precision=DOT_PREC)
-    return ex * D1, ey * D2, xe.to(tl.float32) * D1 - ye.to(tl.float32) * D2
+    return dx + ex * D1, dy + ey * D2, dG + (xe.to(tl.float32) * D1 - ye.to(tl.float32) * D2)
 
 
 @triton.jit
 def pairwise_diag_exact_bwd(dA, x_base, y_base, rx, ry, g_base, bias_ptr, t0, n_rows, stride_x, stride_g, K,
-                            expA, lower_bound, stride_bias,
+                            expA, lower_bound, stride_bias, dx, dy, dG,
                             C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
                             GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Gradient of the strictly-lower part of pairwise_diag_exact w.r.t. the normalized x, y.
 
-    Returns (dx, dy, dG) ``[C, BK]`` (fp32 throughout). Exponentials are of within-sub-chunk
-    differences only.
+    Adds to and returns (dx, dy, dG) ``[C, BK]`` (fp32 throughout). Exponentials are of
+    within-sub-chunk differences only.
     """
     rows = tl.arange(0, C)
     sub = tl.arange(0, SUBC)
     cols = tl.arange(0, BK)
-    dx = tl.zeros([C, BK], dtype=tl.float32)
-    dy = tl.zeros([C, BK], dtype=tl.float32)
-    dG = tl.zeros([C, BK], dtype=tl.float32)
     keep = (sub[:, None] > sub[None, :])[:, :, None]  # [SUBC, SUBC, 1] strictly causal
     for I in tl.static_range(C // SUBC):
         sel = (rows[None, :] == SUBC * I + sub[:, None])  # [SUBC, C]
