@@ -142,3 +142,69 @@ def test_validation_reads_the_sequence_lengths_once_for_the_plan():
     assert plan_kda(t["q"], t["v"], seqlens=shape.seqlens) == plan_kda(t["q"], t["v"], cu_seqlens=kw["cu_seqlens"])
     fixed = validate_kda_inputs(t["q"], t["k"], t["v"], t["g"], t["beta"], cu_seqlens=None, **opts)
     assert fixed.seqlens is None
+
+
+# cu_seqlens_cpu (FLA 0.6.0's host copy of cu_seqlens): its values are checked in place of
+# cu_seqlens's (which are then not read). Validation runs before the backend is chosen, so both
+# backends give the same error.
+_CU = [0, 8, 20]
+CPU_OFFSET_CASES = {
+    "not a tensor": (TypeError, r"^cu_seqlens_cpu must be a torch.Tensor, got list", dict(cu_seqlens_cpu=list(_CU))),
+    "float": (TypeError, r"^cu_seqlens_cpu must have an integer dtype \(int32 or int64\), got float32",
+              dict(cu_seqlens_cpu=torch.tensor(_CU, dtype=torch.float32))),
+    "2-D": (ValueError, r"^cu_seqlens_cpu must be 1-D with at least 2 entries, got shape \[1, 3\]",
+            dict(cu_seqlens_cpu=torch.tensor([_CU]))),
+    "one entry": (ValueError, r"^cu_seqlens_cpu must be 1-D with at least 2 entries, got shape \[1\]",
+                  dict(cu_seqlens_cpu=torch.tensor([0]))),
+    "length": (ValueError, r"^cu_seqlens_cpu must have cu_seqlens's length 3, got 4",
+               dict(cu_seqlens_cpu=torch.tensor([0, 8, 8, 20]))),
+    "not on the host": (ValueError, r"^cu_seqlens_cpu must be a CPU tensor .*got device meta",
+                        dict(cu_seqlens_cpu=torch.empty(3, dtype=torch.int64, device="meta"))),
+    "start": (ValueError, r"^cu_seqlens_cpu must start at 0, got 1", dict(cu_seqlens_cpu=torch.tensor([1, 8, 20]))),
+    "decreasing": (ValueError, r"^cu_seqlens_cpu must be non-decreasing, got \[0, 21, 20\]",
+                   dict(cu_seqlens_cpu=torch.tensor([0, 21, 20]))),
+    "end": (ValueError, r"^cu_seqlens_cpu must end at T=20 \(q.shape\[1\]\), got 18",
+            dict(cu_seqlens_cpu=torch.tensor([0, 8, 18]))),
+    "without cu_seqlens": (ValueError, r"^cu_seqlens_cpu is the host copy of cu_seqlens and needs cu_seqlens, got cu_seqlens=None",
+                           dict(cu_seqlens=None, cu_seqlens_cpu=torch.tensor(_CU))),
+    # cu_seqlens's own metadata is still checked next to a good host copy.
+    "cu_seqlens float": (TypeError, r"^cu_seqlens must have an integer dtype",
+                         dict(cu_seqlens=torch.tensor(_CU, dtype=torch.float32), cu_seqlens_cpu=torch.tensor(_CU))),
+    "cu_seqlens 2-D": (ValueError, r"^cu_seqlens must be 1-D", dict(cu_seqlens=torch.tensor([_CU]), cu_seqlens_cpu=torch.tensor(_CU))),
+    "cu_seqlens device": (ValueError, r"^cu_seqlens must be on q's device cpu, got meta",
+                          dict(cu_seqlens=torch.empty(3, dtype=torch.int64, device="meta"), cu_seqlens_cpu=torch.tensor(_CU))),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", list(CPU_OFFSET_CASES))
+def test_bad_cu_seqlens_cpu(case, backend, monkeypatch):
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    exc, pattern, update = CPU_OFFSET_CASES[case]
+    _expect(exc, pattern, lambda t, kw: kw.update(dict(cu_seqlens=torch.tensor(_CU)), **update))
+
+
+def test_batch_must_be_one_with_cu_seqlens_cpu():
+    inp = make_kda_inputs(B=2, T=10, H=1, K=4, V=4, gate="none")
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    with pytest.raises(ValueError, match=r"^the batch size B must be 1 with cu_seqlens.*got B=2"):
+        _call(t, dict(inp["kwargs"], cu_seqlens=torch.tensor([0, 4, 10]), cu_seqlens_cpu=torch.tensor([0, 4, 10])))
+
+
+def test_cu_seqlens_cpu_gives_the_lengths_and_the_plan():
+    """The lengths (and so the plan) come from the host copy, int32 or int64, exactly as from cu_seqlens."""
+    from kdakit.ops.kda.plan import plan_kda
+    from kdakit.ops.kda.validate import validate_kda_inputs
+
+    inp = make_kda_inputs(T=70, H=1, HV=2, K=16, V=16, dtype=torch.float32, gate="safe", seqlens=[37, 0, 33],
+                          initial_state="kv")
+    t, kw = inp["tensors"], inp["kwargs"]
+    opts = dict(scale=None, initial_state=t["initial_state"], use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                allow_neg_eigval=False, safe_gate=True, lower_bound=kw["lower_bound"], A_log=t["A_log"],
+                dt_bias=t["dt_bias"], state_v_first=False)
+    want = validate_kda_inputs(t["q"], t["k"], t["v"], t["g"], t["beta"], cu_seqlens=kw["cu_seqlens"], **opts)
+    for dt in (torch.int64, torch.int32):
+        got = validate_kda_inputs(t["q"], t["k"], t["v"], t["g"], t["beta"], cu_seqlens=kw["cu_seqlens"],
+                                  cu_seqlens_cpu=kw["cu_seqlens"].to(dt), **opts)
+        assert got == want and got.seqlens == (37, 0, 33)
+    assert plan_kda(t["q"], t["v"], seqlens=want.seqlens) == plan_kda(t["q"], t["v"], cu_seqlens=kw["cu_seqlens"])

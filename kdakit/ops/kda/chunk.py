@@ -128,6 +128,7 @@ def chunk_kda(
         A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
     )
+    padding = _padding_masks(padded, shape, state_indices, v) if padded else None
     if scale is None:
         scale = shape.K ** -0.5
     if not use_gate_in_kernel:
@@ -154,21 +155,30 @@ def chunk_kda(
             kwargs["cu_seqlens"] = cu_seqlens_cpu
         o, final = chunked_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
     if pool is not None:
-        _scatter_pool(pool, final, state_indices, padded)
-        if padded:
-            o = _zero_padded_sequences(o, padded, shape); _ = None if cu_seqlens is None else torch.repeat_interleave(torch.ones(shape.N), (cu_seqlens[1:] - cu_seqlens[:-1]).long())
+        _scatter_pool(pool, final, state_indices, padding)
+        if padding is not None:
+            o = o * padding[1]  # padded sequences give zero output, as in kda_decode
     return o, (final if output_final_state else None)
 
 
-def _zero_padded_sequences(o, padded, shape):
-    """Padded sequences (index -1; ``padded`` lists them, read on the host) give zero output, as in
-    ``kda_decode``. The token mask is built on the host from ``shape.seqlens``: no device read."""
-    keep = torch.ones(shape.N, dtype=o.dtype)
+def _padding_masks(padded, shape, state_indices, v):
+    """For padded sequences (``padded``: their positions, read on the host with the index check):
+    (the positions of the others, long ``[N - len(padded)]`` on the indices' device; a 0/1 token
+    mask in v's dtype on v's device, ``[N, 1, 1, 1]`` or ``[1, T, 1, 1]`` for packed sequences).
+
+    Built from host values only (``shape.seqlens``, never ``cu_seqlens``) and copied to the device
+    right after that read and before the kernels are queued, so these (blocking) copies wait on no
+    kernel, and nothing after the kernels reads or copies anything."""
+    pad = set(padded)
+    kept = torch.tensor([n for n in range(shape.N) if n not in pad], dtype=torch.long)
+    keep = torch.ones(shape.N, dtype=v.dtype)
     keep[list(padded)] = 0
     if shape.seqlens is None:
-        return o * keep.to(o.device).view(-1, 1, 1, 1)
-    per_token = torch.repeat_interleave(keep, torch.tensor(shape.seqlens, dtype=torch.long), output_size=shape.T)
-    return o * per_token.to(o.device).view(1, -1, 1, 1)
+        mask = keep.view(-1, 1, 1, 1)
+    else:
+        per_token = torch.repeat_interleave(keep, torch.tensor(shape.seqlens, dtype=torch.long), output_size=shape.T)
+        mask = per_token.view(1, -1, 1, 1)
+    return kept.to(state_indices.device), mask.to(v.device)
 
 
 def _gather_pool(pool, state_indices, q, v, state_v_first):
@@ -195,13 +205,13 @@ def _gather_pool(pool, state_indices, q, v, state_v_first):
 
 
 @torch.no_grad()
-def _scatter_pool(pool, final, state_indices, padded):
-    """Final states into their pool rows; ``padded`` (host positions of the -1 entries) are skipped.
-    Indexing by host-built positions rather than a device boolean mask keeps this free of syncs."""
+def _scatter_pool(pool, final, state_indices, padding):
+    """Final states into their pool rows, padded sequences skipped (``padding``: see
+    ``_padding_masks``). Indexing by prebuilt positions rather than a device boolean mask keeps
+    this free of host synchronization."""
     idx = state_indices.long()
     final = final.detach().to(pool.dtype)
-    if padded:
-        pad = set(padded)
-        kept = torch.tensor([n for n in range(idx.numel()) if n not in pad], dtype=torch.long, device=idx.device)
+    if padding is not None:
+        kept = padding[0]
         idx, final = idx[kept], final[kept]
     pool[idx] = final

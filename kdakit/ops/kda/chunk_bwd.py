@@ -64,7 +64,7 @@ PREP_NUM_WARPS = 8
 STATES_NUM_WARPS = 8
 GRADS_NUM_WARPS = 8
 STATES_BLOCK_V = 64
-GRADS_BLOCK_V = 32  # the gradient kernel's V loop step
+GRADS_BLOCK_V = 64  # the gradient kernel's V loop step (32-wide tiles faulted on the H200: illegal address)
 
 
 # ---------------------------------------------------------------------------------------
