@@ -14,12 +14,25 @@ import os
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
+# The Triton chunk backward: ``windowed`` (default: 16-token chunks from the forward's sparse
+# checkpoints, within 1.10x of the memory floor) or ``chunk64`` (experimental: 64-token chunks,
+# whole-sequence passes; on the H200 as fast as the default but with per-chunk state and operand
+# buffers of about 1.9 KB per token and value head; see docs/perf_notes.md).
+CHUNK_BACKWARDS = ("windowed", "chunk64")
 
 
 def requested_backend() -> str:
     value = os.environ.get("KDAKIT_BACKEND", "auto").strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"KDAKIT_BACKEND must be one of {BACKENDS}, got {value!r}")
+    return value
+
+
+def requested_chunk_backward() -> str:
+    """``KDAKIT_CHUNK_BACKWARD`` (see CHUNK_BACKWARDS); an unknown value raises."""
+    value = os.environ.get("KDAKIT_CHUNK_BACKWARD", "windowed").strip().lower() or "windowed"
+    if value not in CHUNK_BACKWARDS:
+        raise ValueError(f"KDAKIT_CHUNK_BACKWARD must be one of {CHUNK_BACKWARDS}, got {value!r}")
     return value
 
 

@@ -1,534 +1,34 @@
-"""Triton backward of chunked KDA at 64-token chunks: three whole-sequence launches.
+"""Triton backward of chunked KDA from the forward's sparse checkpoints: the entry point.
 
-Per chunk of C = 64 tokens (``chunk_tiles.py`` for the sub-chunk numerics), with S the state entering
-the chunk and dS' the state gradient leaving it::
+``chunk_kda_bwd`` validates, runs the windowed pipeline of ``chunk_bwd_windowed.py`` (window-start
+states per checkpoint segment, then per window of ``plan.recompute_every_n_tokens`` tokens, last
+first: per-chunk states and state gradients, then every gradient of every chunk in parallel) and
+sums the parameter partials. The per-chunk math is in ``chunk_bwd_common.py`` and
+``chunk_bwd_windowed.py``; its float64 twin, checked against autograd, is ``chunk_bwd_reference.py``.
 
-    Tinv = (I + beta Akk)^-1    W = Tinv (beta k Γ)    U = Tinv (beta v)    V' = U - W S
-    O = scale (qΓ S + Aqk V')   S' = exp(g_C) S + kd^T V',  kd = k exp(g_C - G)
-    dS = exp(g_C) dS' + P - W^T (kd dS'),   P = scale (qΓ^T dO - W^T Aqk^T dO)
+Measured on the H200 (1x8K, H = HV = 96, K = V = 128, bf16, SPEC §3 flags; ``docs/perf_notes.md``):
+the backward takes ~36 ms (window starts 4.3, window states 12.6, gradients 19.4), where the previous
+one-program-per-(sequence, head) streaming kernel took 61 ms.
 
-1. ``chunk_kda_bwd_prep_kernel``, grid ``(chunks, HV)``: Akk, Aqk, the inverse (stored, token dtype
-   ``[B, T, HV, C]``, row i of a chunk holds row i of Tinv) and P (stored in the chunk's state-gradient
-   slot). Everything S-independent that the reverse pass needs and that would otherwise sit on its
-   critical path.
-2. ``chunk_kda_bwd_states_kernel``, grid ``(N*HV, cdiv(V, BV), 2)``: role 0 walks each sequence forward
-   from h0 and stores the state entering every chunk; role 1 walks it backward from dht, reading P and
-   storing the state gradient leaving every chunk (it needs no state), and writes dh0. Both roles
-   recompute only kd, W and U per step (one small dot each) from the stored inverse.
-3. ``chunk_kda_bwd_grads_kernel``, grid ``(chunks, H)``: every gradient of one chunk from its stored
-   S and dS' (a group of HV/H value heads shares its q/k head, so dq and dk are summed in registers),
-   written once in the token dtype; A_log / dt_bias partials per chunk, summed in torch.
-
-Slots: ``[chunks, HV, K, V]`` in the token dtype (K-major), one pair per chunk of every sequence.
-Layouts: q, k ``[B, T, H, K]``; v, dO ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]`` (all
-contiguous, token-major); A_log and dt_bias read through their element strides; dht / dh0 in the state
-layout (K-major or ``state_v_first``) through strides. K, V <= 128; int64 offsets.
+Layouts and limits: token-major contiguous inputs, fp32 checkpoints ``[rows, HV, K, V]``,
+K, V <= 128, int64 offsets.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.ops.kda.chunk_common import block_size, gate_mode, load_matrix, load_rows, store_matrix, store_rows
-from kdakit.ops.kda.chunk_tiles import (
-    CHUNK,
-    SUB,
-    beta_bwd,
-    dot_operand,
-    gate_bwd,
-    gate_from_preact,
-    gate_preact,
-    l2norm_bwd,
-    load_beta,
-    load_gate,
-    load_unit_lower,
-    load_unit_rows,
-    mm,
-    pairwise_diag_exact,
-    pairwise_diag_exact_bwd,
-    pairwise_diag_safe,
-    pairwise_diag_safe_bwd,
-    pairwise_offdiag,
-    pairwise_offdiag_bwd,
-    round_to_bf16,
-    round_to_bf16_if,
-    store_unit_lower_inverse,
-)
-
-MAX_HEAD_DIM = 128
-EXACT_KEY_SLICE = 16  # BKS of the EXACT diagonal blocks: [16, 16, 16] fp32 per slice
-PREP_NUM_WARPS = 8
-STATES_NUM_WARPS = 8
-GRADS_NUM_WARPS = 8
-STATES_BLOCK_V = 64
-GRADS_BLOCK_V = 64  # the gradient kernel's V loop step (32-wide tiles faulted on the H200: illegal address)
-
-
-# ---------------------------------------------------------------------------------------
-# shared per-chunk pieces
-# ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Global chunk i_t -> (bos int64, sequence length int32, first row t0 of the chunk)."""
-    if IS_VARLEN:
-        i_n = tl.load(chunk_table + 2 * i_t).to(tl.int64)
-        i_c = tl.load(chunk_table + 2 * i_t + 1)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        i_n = i_t // NTS
-        i_c = (i_t % NTS).to(tl.int32)
-        bos = i_n * T
-        eos = bos + T
-    return bos, (eos - bos).to(tl.int32), i_c * C
-
-
-@triton.jit
-def gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG: tl.constexpr):
-    """exp(A_log[hv]) (1 without A_log)."""
-    if HAS_A_LOG:
-        e = tl.exp(tl.load(A_log + i_hv.to(tl.int64) * stride_alog).to(tl.float32))
-    else:
-        e = 1.0
-    return e
-
-
-@triton.jit
-def bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS: tl.constexpr):
-    """dt_bias[hv * K] (the pointer itself without a bias)."""
-    if HAS_BIAS:
-        p = dt_bias + i_hv.to(tl.int64) * K * stride_bias
-    else:
-        p = dt_bias
-    return p
-
-
-@triton.jit
-def _pairwise(x, y, G, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x, stride_g, K, expA,
-              lower_bound, stride_bias, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
-              GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, INCLUDE_DIAG: tl.constexpr,
-              OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    A = pairwise_offdiag(x, y, G, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
-    if SAFE:
-        A += pairwise_diag_safe(x, y, G, C, SUBC, INCLUDE_DIAG, OP_BF16, EMULATE_BF16, DOT_PREC)
-    else:
-        A += pairwise_diag_exact(x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x, stride_g, K,
-                                 expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, INCLUDE_DIAG)
-    return A
-
-
-@triton.jit
-def _pairwise_bwd(dA, x, y, G, dx, dy, dG, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x, stride_g,
-                  K, expA, lower_bound, stride_bias, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr,
-                  BKS: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr,
-                  OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Adds the strictly-lower pairwise terms' (dx, dy, dG) to the accumulators (the diagonal is the caller's)."""
-    dx, dy, dG = pairwise_offdiag_bwd(dA, x, y, G, dx, dy, dG, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
-    if SAFE:
-        dx, dy, dG = pairwise_diag_safe_bwd(dA, x, y, G, dx, dy, dG, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
-    else:
-        dx, dy, dG = pairwise_diag_exact_bwd(dA, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x,
-                                             stride_g, K, expA, lower_bound, stride_bias, dx, dy, dG, C, SUBC, BK,
-                                             BKS, GATE, HAS_BIAS)
-    return dx, dy, dG
-
-
-@triton.jit
-def load_rows_t(base, t0, n_rows, stride_row, n_cols, BR: tl.constexpr, BC: tl.constexpr):
-    """``x[t0 + r, c]`` loaded transposed as ``[BC, BR]`` fp32 (a transposed dot operand straight from
-    memory, no register transpose). Rows ``>= n_rows`` and columns ``>= n_cols`` read as 0."""
-    r = t0 + tl.arange(0, BR)
-    c = tl.arange(0, BC)
-    ptrs = base + r.to(tl.int64)[None, :] * stride_row + c[:, None]
-    return tl.load(ptrs, mask=(r < n_rows)[None, :] & (c < n_cols)[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def load_step_operands(w_base, kd_base, tinv_base, egc_row, t0, seq_len, HV, K,
-                       C: tl.constexpr, BK: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """A serial step's S-independent operands as the prep kernel stored them:
-    (Tinv [C, C], W [C, BK], kd [C, BK] as dot operands, exp(g_C) [BK] fp32)."""
-    Ti = dot_operand(load_unit_lower(tinv_base, t0, seq_len, HV * C, C), OP_BF16, EMULATE_BF16)
-    W = dot_operand(load_rows(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
-    kd = dot_operand(load_rows(kd_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
-    c = tl.arange(0, BK)
-    egc = tl.load(egc_row + c, mask=c < K, other=0.0)
-    return Ti, W, kd, egc
-
-
-# ---------------------------------------------------------------------------------------
-# kernel 1: the inverse and the S-independent part of the state-gradient step
-# ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def chunk_kda_bwd_prep_kernel(
-    q, k, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, dhs, cu_seqlens, chunk_table,
-    scale, lower_bound, T, H, HV, NTS, stride_alog, stride_bias,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    i_t = tl.program_id(0).to(tl.int64)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
-    q_base = q + (bos * H + i_h) * K
-    k_base = k + (bos * H + i_h) * K
-    g_base = g + (bos * HV + i_hv) * K
-    bias_ptr = bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS)
-    expA = gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG)
-
-    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)  # [C, BK], [C]
-    kn, rk = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
-    a = load_gate(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, expA, lower_bound, C, BK, GATE, HAS_BIAS, stride_bias)
-    G = tl.cumsum(a, axis=0)  # [C, BK]
-    bt, _ = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
-
-    Akk = _pairwise(kn, kn, G, k_base, k_base, rk, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
-                    lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, False,
-                    OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, C]
-    tinv_base = tinv + (bos * HV + i_hv) * C
-    store_unit_lower_inverse(Akk * bt[:, None], tinv_base, t0, seq_len, HV * C, C, SUBC, EMULATE_BF16)
-    tok_c = (bos * HV + i_hv) * C
-    store_rows(akk + tok_c, round_to_bf16_if(Akk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
-    tl.debug_barrier()  # the stored inverse is re-read below by other threads of this program
-    Ti = load_unit_lower(tinv_base, t0, seq_len, HV * C, C)  # [C, C], as the later kernels see it
-
-    Aqk = _pairwise(qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
-                    lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, True,
-                    OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, C]
-    store_rows(aqk + tok_c, round_to_bf16_if(Aqk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
-    gam = tl.exp(G)
-    W = round_to_bf16_if(mm(Ti, kn * gam * bt[:, None], OP_BF16, EMULATE_BF16, DOT_PREC), EMULATE_BF16)  # [C, BK]
-    gcs = tl.sum(a, axis=0)  # [BK]: G at the last real row (padded rows add 0)
-    tok_k = (bos * HV + i_hv) * K
-    store_rows(w + tok_k, W, t0, seq_len, HV * K, 0, K, C, BK)
-    store_rows(kd + tok_k, round_to_bf16_if(kn * tl.exp(gcs[None, :] - G), EMULATE_BF16), t0, seq_len, HV * K, 0, K,
-               C, BK)
-    cols = tl.arange(0, BK)
-    tl.store(egc + (i_t * HV + i_hv) * K + cols, tl.exp(gcs), mask=cols < K)
-    sdo = scale * load_rows(do + (bos * HV + i_hv) * V, t0, seq_len, HV * V, 0, V, C, BV)  # [C, BV]
-    P = mm(tl.trans(qn * gam), sdo, OP_BF16, EMULATE_BF16, DOT_PREC) \
-        - mm(tl.trans(W), mm(tl.trans(Aqk), sdo, OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16, DOT_PREC)
-    if EMULATE_BF16:
-        P = round_to_bf16(P)
-    store_matrix(dhs + (i_t * HV + i_hv) * (K * V), P, V, 1, K, V, 0, BK, BV)
-
-
-# ---------------------------------------------------------------------------------------
-# kernel 2: states forward (role 0) and state gradients backward (role 1)
-# ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _forward_step(S, i_c, c0, v_base, b_base, w_base, kd_base, tinv_base, egc, hs, i_hv, seq_len, HV, v0,
-                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, OP_BF16: tl.constexpr,
-                  EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    t0 = i_c * C
-    row = (c0 + i_c) * HV + i_hv
-    store_matrix(hs + row * (K * V), round_to_bf16_if(S, EMULATE_BF16), V, 1, K, V, v0, BK, BV)
-    Ti = dot_operand(load_unit_lower(tinv_base, t0, seq_len, HV * C, C), OP_BF16, EMULATE_BF16)  # [C, C]
-    W = dot_operand(load_rows(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
-    kdT = dot_operand(load_rows_t(kd_base, t0, seq_len, HV * K, K, C, BK), OP_BF16, EMULATE_BF16)  # [BK, C]
-    cols = tl.arange(0, BK)
-    egc_c = tl.load(egc + row * K + cols, mask=cols < K, other=0.0)
-    bt, _ = load_beta(b_base, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)
-    vt = load_rows(v_base, t0, seq_len, HV * V, v0, V, C, BV)  # [C, BV]
-    vn = tl.dot(Ti, dot_operand(vt * bt[:, None], OP_BF16, EMULATE_BF16), input_precision=DOT_PREC) \
-        - tl.dot(W, dot_operand(S, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)
-    return S * egc_c[:, None] + tl.dot(kdT, dot_operand(vn, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)
-
-
-@triton.jit
-def _reverse_step(dS, i_c, c0, w_base, kd_base, tinv_base, egc, dhs, i_hv, seq_len, HV, v0,
-                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    t0 = i_c * C
-    row = (c0 + i_c) * HV + i_hv
-    slot = dhs + row * (K * V)
-    P = load_matrix(slot, V, 1, K, V, v0, BK, BV)  # [BK, BV]
-    tl.debug_barrier()  # every thread has read P before any overwrites it
-    store_matrix(slot, round_to_bf16_if(dS, EMULATE_BF16), V, 1, K, V, v0, BK, BV)
-    WT = dot_operand(load_rows_t(w_base, t0, seq_len, HV * K, K, C, BK), OP_BF16, EMULATE_BF16)  # [BK, C]
-    kd = dot_operand(load_rows(kd_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
-    cols = tl.arange(0, BK)
-    egc_c = tl.load(egc + row * K + cols, mask=cols < K, other=0.0)
-    kdS = tl.dot(kd, dot_operand(dS, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)  # [C, BV]
-    return dS * egc_c[:, None] + P - tl.dot(WT, dot_operand(kdS, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)
-
-
-@triton.jit
-def chunk_kda_bwd_states_kernel(
-    v, beta, w, kd, tinv, egc, hs, dhs, h0, dht, dh0, cu_seqlens, chunk_offsets, T, HV, NTS,
-    s_h0_n, s_h0_h, s_h0_k, s_h0_v, s_dht_n, s_dht_h, s_dht_k, s_dht_v, s_dh0_n, s_dh0_h, s_dh0_k, s_dh0_v,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr,
-):
-    i_nh = tl.program_id(0)
-    i_v = tl.program_id(1)
-    role = tl.program_id(2)
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # global index of the sequence's first chunk
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-        c0 = i_n.to(tl.int64) * NTS
-    seq_len = (eos - bos).to(tl.int32)
-    v0 = i_v * BV
-    v_base = v + (bos * HV + i_hv) * V
-    b_base = beta + bos * HV + i_hv
-    w_base = w + (bos * HV + i_hv) * K
-    kd_base = kd + (bos * HV + i_hv) * K
-    tinv_base = tinv + (bos * HV + i_hv) * C
-    n_chunks = tl.cdiv(seq_len, C)
-
-    if role == 0:
-        S = tl.zeros([BK, BV], dtype=tl.float32)  # state columns [v0, v0 + BV), K-major
-        if HAS_H0:
-            S = load_matrix(h0 + i_n.to(tl.int64) * s_h0_n + i_hv * s_h0_h, s_h0_k, s_h0_v, K, V, v0, BK, BV)
-        if LOOP_WHILE:
-            # The interpreter cannot take range() of a program-dependent bound; a while loop it can.
-            i_c = 0
-            while i_c < n_chunks:
-                S = _forward_step(S, i_c, c0, v_base, b_base, w_base, kd_base, tinv_base, egc, hs, i_hv, seq_len, HV,
-                                  v0, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
-                i_c += 1
-        else:
-            for i_c in range(0, n_chunks):
-                S = _forward_step(S, i_c, c0, v_base, b_base, w_base, kd_base, tinv_base, egc, hs, i_hv, seq_len, HV,
-                                  v0, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
-    else:
-        dS = tl.zeros([BK, BV], dtype=tl.float32)
-        if HAS_DHT:
-            dS = load_matrix(dht + i_n.to(tl.int64) * s_dht_n + i_hv * s_dht_h, s_dht_k, s_dht_v, K, V, v0, BK, BV)
-        if LOOP_WHILE:
-            i_c = n_chunks - 1
-            while i_c >= 0:
-                dS = _reverse_step(dS, i_c, c0, w_base, kd_base, tinv_base, egc, dhs, i_hv, seq_len, HV, v0,
-                                   K, V, C, BK, BV, OP_BF16, EMULATE_BF16, DOT_PREC)
-                i_c -= 1
-        else:
-            for step in range(0, n_chunks):
-                dS = _reverse_step(dS, n_chunks - 1 - step, c0, w_base, kd_base, tinv_base, egc, dhs, i_hv, seq_len,
-                                   HV, v0, K, V, C, BK, BV, OP_BF16, EMULATE_BF16, DOT_PREC)
-        if STORE_DH0:
-            store_matrix(dh0 + i_n.to(tl.int64) * s_dh0_n + i_hv * s_dh0_h, dS, s_dh0_k, s_dh0_v, K, V, v0, BK, BV)
-
-
-# ---------------------------------------------------------------------------------------
-# kernel 3: every gradient of one chunk
-# ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _value_head_grads(
-    q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs, dv, dg, dbeta, dA_part,
-    dbias_part, i_t, i_hv, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BVS: tl.constexpr, BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
-    OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """One value head of one chunk: writes dv, dg, dbeta and the parameter partials; returns this head's
-    (dq, dk) w.r.t. the normalized q, k ``[C, BK]``. Tiles that are not needed across the V loop are
-    recomputed after it (q, k, G: cheap reloads) to keep registers for the loop's accumulators."""
-    rows = tl.arange(0, C)
-    real = (t0 + rows) < seq_len  # [C]
-    causal = rows[:, None] >= rows[None, :]
-    strict = rows[:, None] > rows[None, :]
-    cols = tl.arange(0, BK)
-    tok_k = (bos * HV + i_hv) * K
-    tok_v = (bos * HV + i_hv) * V
-    g_base = g + tok_k
-    bias_ptr = bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS)
-    expA = gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG)
-    bt, braw = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
-
-    # ---- operands of the V loop, as the prep kernel stored them (bf16 with OP_BF16)
-    tok_c = (bos * HV + i_hv) * C
-    Aqk = dot_operand(tl.where(causal, load_rows(aqk + tok_c, t0, seq_len, HV * C, 0, C, C, C), 0.0),
-                      OP_BF16, EMULATE_BF16)  # [C, C]
-    Ti, W, kdo, egc_c = load_step_operands(w + tok_k, kd + tok_k, tinv + tok_c, egc + (i_t * HV + i_hv) * K, t0,
-                                           seq_len, HV, K, C, BK, OP_BF16, EMULATE_BF16)
-
-    # ---- the V loop: products with the state S entering the chunk and the state gradient dS' leaving it
-    dqg = tl.zeros([C, BK], dtype=tl.float32)  # d(qΓ)
-    dkd = tl.zeros([C, BK], dtype=tl.float32)
-    dW = tl.zeros([C, BK], dtype=tl.float32)
-    dAqk = tl.zeros([C, C], dtype=tl.float32)
-    dTi = tl.zeros([C, C], dtype=tl.float32)
-    db = tl.zeros([C], dtype=tl.float32)
-    dgc = tl.zeros([BK], dtype=tl.float32)
-    slot = (i_t * HV + i_hv) * (K * V)
-    for v0 in tl.static_range(0, BV, BVS):
-        h = load_matrix(hs + slot, V, 1, K, V, v0, BK, BVS)  # [BK, BVS]
-        dhn = load_matrix(dhs + slot, V, 1, K, V, v0, BK, BVS)
-        dgc += tl.sum(h * dhn, axis=1)
-        ho = dot_operand(h, OP_BF16, EMULATE_BF16)
-        dho = dot_operand(dhn, OP_BF16, EMULATE_BF16)
-        vt = load_rows(v + tok_v, t0, seq_len, HV * V, v0, V, C, BVS)  # [C, BVS]
-        sdo = dot_operand(scale * load_rows(do + tok_v, t0, seq_len, HV * V, v0, V, C, BVS), OP_BF16, EMULATE_BF16)
-        vb = dot_operand(vt * bt[:, None], OP_BF16, EMULATE_BF16)
-        vn = dot_operand(tl.dot(Ti, vb, input_precision=DOT_PREC) - tl.dot(W, ho, input_precision=DOT_PREC),
-                         OP_BF16, EMULATE_BF16)  # V' [C, BVS]
-        dqg += tl.dot(sdo, tl.trans(ho), input_precision=DOT_PREC)
-        dkd += tl.dot(vn, tl.trans(dho), input_precision=DOT_PREC)
-        dAqk += tl.dot(sdo, tl.trans(vn), input_precision=DOT_PREC)
-        dvn = dot_operand(tl.dot(tl.trans(Aqk), sdo, input_precision=DOT_PREC)
-                          + tl.dot(kdo, dho, input_precision=DOT_PREC), OP_BF16, EMULATE_BF16)  # dV'
-        dW -= tl.dot(dvn, tl.trans(ho), input_precision=DOT_PREC)
-        dXv = tl.dot(tl.trans(Ti), dvn, input_precision=DOT_PREC)  # [C, BVS]
-        db += tl.sum(vt * dXv, axis=1)
-        dTi += tl.dot(dvn, tl.trans(vb), input_precision=DOT_PREC)
-        store_rows(dv + tok_v, dXv * bt[:, None], t0, seq_len, HV * V, v0, V, C, BVS)
-    dgc = dgc * egc_c
-    dAqk = tl.where(causal, dAqk, 0.0)
-
-    # ---- W = Tinv (beta kΓ), Tinv = (I + A)^-1 with A = beta Akk: dA = -Tinv^T dTinv Tinv^T (strictly lower)
-    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
-    kn, rk = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
-    x = gate_preact(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, stride_bias, C, BK, HAS_BIAS)  # [C, BK]
-    a = gate_from_preact(x, t0, seq_len, 0, K, expA, lower_bound, C, BK, GATE)
-    G = tl.cumsum(a, axis=0)
-    gcs = tl.sum(a, axis=0)  # [BK]
-    gam = tl.exp(G)
-    edec = tl.where(real[:, None], tl.exp(gcs[None, :] - G), 0.0)
-    kg = kn * gam
-    dXk = tl.dot(tl.trans(Ti), dot_operand(dW, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)  # [C, BK]
-    db += tl.sum(kg * dXk, axis=1)
-    dTi += mm(dW, tl.trans(kg * bt[:, None]), OP_BF16, EMULATE_BF16, DOT_PREC)
-    dAm = -mm(tl.trans(Ti), mm(dTi, tl.trans(Ti), OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16,
-              DOT_PREC)
-    dAm = tl.where(strict, dAm, 0.0)
-    db += tl.sum(dAm * load_rows(akk + tok_c, t0, seq_len, HV * C, 0, C, C, C), axis=1)
-
-    # ---- pairwise terms; decay gradient dG = x dx - y dy of each pairwise matrix (its i = j terms
-    # cancel exactly and are left out), plus the Γ, kd and exp(g_C) factors
-    # q/k gradients and the decay gradient start with the inter-chunk (state) terms, then gather the pairwise
-    # ones: x dx - y dy of each pairwise matrix (its i = j terms cancel exactly and are left out)
-    dkg = dXk * bt[:, None]
-    kdf = kn * edec
-    dG = qn * gam * dqg + kg * dkg - kdf * dkd
-    dgc += tl.sum(kdf * dkd, axis=0)
-    dqn = dqg * gam
-    dkn = dkg * gam + dkd * edec
-    dkn, dky, dG = _pairwise_bwd(dAm * bt[:, None], kn, kn, G, dkn, tl.zeros_like(dkn), dG, k_base, k_base, rk, rk, g_base, bias_ptr,
-                                 t0, seq_len, H * K, HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE,
-                                 HAS_BIAS, SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
-    dkn += dky
-    dqn, dkn, dG = _pairwise_bwd(dAqk, qn, kn, G, dqn, dkn, dG, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len,
-                                 H * K, HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS,
-                                 SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
-    da = tl.where(real[:, None], tl.cumsum(dG, axis=0, reverse=True) + dgc[None, :], 0.0)
-    dx, dlog = gate_bwd(da, x, a, expA, lower_bound, GATE)
-    store_rows(dg + tok_k, dx, t0, seq_len, HV * K, 0, K, C, BK)
-    if HAS_A_LOG:
-        tl.store(dA_part + i_t * HV + i_hv, tl.sum(tl.sum(dlog, axis=1), axis=0))
-    if HAS_BIAS:
-        tl.store(dbias_part + (i_t * HV + i_hv) * K + cols, tl.sum(dx, axis=0), mask=cols < K)
-    r_b = (bos + t0 + rows).to(tl.int64)
-    tl.store(dbeta + r_b * HV + i_hv, beta_bwd(db, braw, BETA_SIGMOID, NEG_EIGVAL).to(dbeta.dtype.element_ty),
-             mask=real)
-    # the diagonal of Aqk (exp(0) = 1): Aqk_ii = q_i . k_i
-    dd = tl.sum(tl.where(rows[:, None] == rows[None, :], dAqk, 0.0), axis=1)  # [C]
-    return dqn + dd[:, None] * kn, dkn + dd[:, None] * qn
-
-
-@triton.jit
-def chunk_kda_bwd_grads_kernel(
-    q, k, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs,
-    dq, dk, dv, dg, dbeta, dA_part, dbias_part, cu_seqlens, chunk_table,
-    scale, lower_bound, T, H, HV, NTS, stride_alog, stride_bias,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BVS: tl.constexpr, BKS: tl.constexpr, GROUP: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-    SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
-    q_base = q + (bos * H + i_h) * K
-    k_base = k + (bos * H + i_h) * K
-    if GROUP == 1:
-        dqn, dkn = _value_head_grads(
-            q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs, dv, dg, dbeta,
-            dA_part, dbias_part, i_t, i_h, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
-            K, V, C, SUBC, BK, BV, BVS, BKS, GATE, HAS_A_LOG, HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL, SAFE,
-            OP_BF16, EMULATE_BF16, DOT_PREC)
-    else:
-        # grouped value heads share this q/k head: their dq, dk are summed here, written once
-        dqn = tl.zeros([C, BK], dtype=tl.float32)
-        dkn = tl.zeros([C, BK], dtype=tl.float32)
-        for j in range(GROUP):
-            dqj, dkj = _value_head_grads(
-                q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs, dv, dg, dbeta,
-                dA_part, dbias_part, i_t, i_h * GROUP + j, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
-                K, V, C, SUBC, BK, BV, BVS, BKS, GATE, HAS_A_LOG, HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL,
-                SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
-            dqn += dqj
-            dkn += dkj
-    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
-    kn, rk = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
-    store_rows(dq + (bos * H + i_h) * K, l2norm_bwd(dqn, qn, rq, USE_L2NORM), t0, seq_len, H * K, 0, K, C, BK)
-    store_rows(dk + (bos * H + i_h) * K, l2norm_bwd(dkn, kn, rk, USE_L2NORM), t0, seq_len, H * K, 0, K, C, BK)
-
-
-# ---------------------------------------------------------------------------------------
-# launcher
-# ---------------------------------------------------------------------------------------
-
-
-def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
-    """(bf16 operands?, fp32-operand precision): bf16 inputs multiply bf16 operands (rounded to nearest,
-    fp32 accumulation, as FLA); fp16 and fp32 inputs use 3xTF32; the interpreter is exact."""
-    if triton_interpreting():
-        return dtype == torch.bfloat16, "ieee"
-    if dtype == torch.bfloat16:
-        return True, "tf32"
-    return False, "tf32x3"
-
-
-def _state_strides(t: torch.Tensor | None, state_v_first: bool) -> tuple[int, int, int, int]:
-    """(n, hv, k, v) element strides of a state tensor in either layout (zeros for None)."""
-    if t is None:
-        return (0, 0, 0, 0)
-    sn, sh, s2, s3 = t.stride()
-    return (sn, sh, s3, s2) if state_v_first else (sn, sh, s2, s3)
-
-
-def chunk_chunk_table(lengths, chunk: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(pairs int32 [2*NT]: (sequence, chunk within it) of every global chunk, first int32 [N+1]: each
-    sequence's first global chunk, NT) for packed sequences, built on the host from known lengths."""
-    counts = torch.tensor([-(-int(n) // chunk) for n in lengths], dtype=torch.int64)
-    firsts = torch.zeros(len(counts) + 1, dtype=torch.int64)
-    firsts[1:] = torch.cumsum(counts, 0)
-    nt = int(firsts[-1])
-    if nt + len(counts) >= 2**31:
-        raise ValueError(f"the chunk table needs int32 entries, got {nt} chunks")
-    seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    local = torch.arange(nt) - firsts[:-1].repeat_interleave(counts)
-    table = torch.cat([torch.stack([seq, local], 1).reshape(-1), firsts]).to(torch.int32).to(device)
-    return table[: 2 * nt], table[2 * nt:], nt
+from kdakit.ops.kda.chunk_bwd_common import CHUNK, MAX_HEAD_DIM, USE_DOUBLING_INVERSE, dot_precision
+from kdakit.ops.kda.chunk_bwd_windowed import default_stage_dtype, run_windowed
+from kdakit.ops.kda.chunk_common import gate_mode
+from kdakit.ops.kda.chunk_fwd import uses_safe_path
+from kdakit.ops.kda.plan import checkpoint_offsets
 
 
 def chunk_kda_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     do: torch.Tensor, dht: torch.Tensor | None, *,
+    checkpoints: torch.Tensor,
     scale: float,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
@@ -541,13 +41,19 @@ def chunk_kda_bwd(
     lower_bound: float | None,
     state_v_first: bool,
     cu_seqlens: torch.Tensor | None,
-    seqlens,
+    plan,
+    ckpt_offsets: torch.Tensor | None = None,
+    stage_dtype: torch.dtype | None = None,
 ):
-    """Gradients of chunked KDA from the inputs, dO and dht (the forward saves nothing else).
+    """Gradients of chunked KDA from the inputs, dO, dht and the forward's sparse state checkpoints.
 
     Shapes: q, k ``[B, T, H, K]``; v, do ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]``
-    (contiguous, same dtype); dht ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None;
-    ``seqlens``: the per-sequence lengths on the host.
+    (all contiguous, same dtype); dht ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``)
+    or None; checkpoints fp32 ``[plan.num_checkpoints, HV, K, V]`` (layout of ``plan.py``).
+    ``plan`` supplies ``checkpoint_every_n_tokens`` (L), ``recompute_every_n_tokens`` (L2: the
+    window) and ``seqlens``; ``ckpt_offsets`` (int64 ``[N + 1]``, on the device) is computed when
+    not given. ``stage_dtype`` stores the per-chunk state and state-gradient slots; None picks
+    ``default_stage_dtype`` (bf16 for 16-bit inputs).
 
     Returns ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)``: the first five in the token dtype;
     dA_log ``[HV]`` and ddt_bias ``[HV * K]`` fp32 (None when A_log / dt_bias is None); dh0 fp32 in
@@ -562,92 +68,43 @@ def chunk_kda_bwd(
         raise ValueError(f"the Triton backward supports K, V <= {MAX_HEAD_DIM}, got K={K}, V={V}")
     if do.shape != v.shape or do.dtype != v.dtype:
         raise ValueError(f"do must match v ({list(v.shape)}, {v.dtype}), got {list(do.shape)}, {do.dtype}")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    C = CHUNK
+    L, L2 = int(plan.checkpoint_every_n_tokens), int(plan.recompute_every_n_tokens)
+    if plan.chunk_size != C or L % L2 or L2 % C:
+        raise ValueError(f"plan must have chunk_size {C} and L2 | L with C | L2, got chunk {plan.chunk_size}, "
+                         f"L={L}, L2={L2}")
+    if checkpoints.dtype != torch.float32 or tuple(checkpoints.shape[1:]) != (HV, K, V) \
+            or not checkpoints.is_contiguous():
+        raise ValueError(f"checkpoints must be contiguous fp32 [rows, {HV}, {K}, {V}], got "
+                         f"{checkpoints.dtype} {list(checkpoints.shape)}")
+    if checkpoints.shape[0] != plan.num_checkpoints:
+        raise ValueError(f"checkpoints must have plan.num_checkpoints={plan.num_checkpoints} rows, "
+                         f"got {checkpoints.shape[0]}")
     gate = gate_mode(use_gate_in_kernel, lower_bound)
     if gate == 1 and A_log is None:
         raise ValueError("use_gate_in_kernel without lower_bound needs A_log, got None")
-    varlen = cu_seqlens is not None
-    lengths = list(seqlens) if varlen else [T] * B
-    N = len(lengths)
-    C = CHUNK
-    BK, BV = block_size(K), block_size(V)
-    dev, dt, f32 = q.device, q.dtype, torch.float32
-    op_bf16, prec = dot_config(dt)
-    interp = triton_interpreting()
-    emulate = interp and dt == torch.bfloat16
+    if dht is not None and dht.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"dht must be a floating tensor, got {dht.dtype}")
+    if ckpt_offsets is None:
+        ckpt_offsets = checkpoint_offsets(cu_seqlens, B=B, T=T, every_n_tokens=L, device=q.device)
+    if stage_dtype is None:
+        stage_dtype = default_stage_dtype(q.dtype)
     has_a = use_gate_in_kernel and A_log is not None
     has_bias = use_gate_in_kernel and dt_bias is not None
-    safe = bool(safe_gate) or (use_gate_in_kernel and lower_bound is not None and lower_bound >= -5.0)
-    lb = float(lower_bound) if lower_bound is not None else 0.0
-    stride_alog = A_log.stride(0) if has_a else 0
-    stride_bias = dt_bias.stride(0) if has_bias else 0
-    common = dict(GATE=gate, HAS_A_LOG=has_a, HAS_BIAS=has_bias, USE_L2NORM=bool(use_qk_l2norm_in_kernel),
-                  BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-                  NEG_EIGVAL=bool(allow_neg_eigval and use_beta_sigmoid_in_kernel),
-                  IS_VARLEN=varlen, OP_BF16=op_bf16, EMULATE_BF16=emulate, DOT_PREC=prec)
-
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    dg = torch.empty_like(g)
-    dbeta = torch.empty_like(beta)
-    if varlen:
-        pairs, firsts, NT = chunk_chunk_table(lengths, C, dev)
-    else:
-        pairs = firsts = None
-        NT = B * triton.cdiv(T, C)
-    NTS = triton.cdiv(T, C)
-    dA_part = torch.empty((NT, HV), dtype=f32, device=dev) if has_a else None
-    dbias_part = torch.empty((NT, HV, K), dtype=f32, device=dev) if has_bias else None
-    dh0 = None
-    if initial_state is not None:
-        dh0 = torch.empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=f32, device=dev)
-    slot_dtype = f32 if dt == f32 else dt
-    tinv = torch.empty((B, T, HV, C), dtype=slot_dtype, device=dev)
-    aqk = torch.empty((B, T, HV, C), dtype=slot_dtype, device=dev)
-    akk = torch.empty((B, T, HV, C), dtype=slot_dtype, device=dev)
-    w = torch.empty((B, T, HV, K), dtype=slot_dtype, device=dev)
-    kd = torch.empty((B, T, HV, K), dtype=slot_dtype, device=dev)
-    egc = torch.empty((NT, HV, K), dtype=f32, device=dev)
-    hs = torch.empty((NT, HV, K, V), dtype=slot_dtype, device=dev)
-    dhs = torch.empty((NT, HV, K, V), dtype=slot_dtype, device=dev)
-
-    import os
-    gcommon = dict(common)
-    if os.environ.get("XG"): gcommon["OP_BF16"] = False
-    pcommon = dict(common)
-    if os.environ.get("XP"): pcommon["OP_BF16"] = False
-    if NT * HV > 0:
-        chunk_kda_bwd_prep_kernel[(NT, HV)](
-            q, k, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, dhs, cu_seqlens, pairs,
-            float(scale), lb, T, H, HV, NTS, stride_alog, stride_bias,
-            K=K, V=V, C=C, SUBC=SUB, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), SAFE=safe, **pcommon,
-            num_warps=PREP_NUM_WARPS, num_stages=1,
-        )
-    if N * HV > 0:
-        bv = min(STATES_BLOCK_V, BV)
-        chunk_kda_bwd_states_kernel[(N * HV, triton.cdiv(V, bv), 2)](
-            v, beta, w, kd, tinv, egc, hs, dhs, initial_state, dht, dh0, cu_seqlens, firsts, T, HV, NTS,
-            *_state_strides(initial_state, state_v_first), *_state_strides(dht, state_v_first),
-            *_state_strides(dh0, state_v_first),
-            K=K, V=V, C=C, BK=BK, BV=bv, HAS_H0=initial_state is not None, HAS_DHT=dht is not None,
-            STORE_DH0=dh0 is not None, LOOP_WHILE=interp, BETA_SIGMOID=common["BETA_SIGMOID"],
-            NEG_EIGVAL=common["NEG_EIGVAL"], IS_VARLEN=varlen, OP_BF16=op_bf16, EMULATE_BF16=emulate, DOT_PREC=prec,
-            num_warps=STATES_NUM_WARPS, num_stages=1,
-        )
-    if NT * H > 0:
-        chunk_kda_bwd_grads_kernel[(NT, H)](
-            q, k, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs,
-            dq, dk, dv, dg, dbeta, dA_part, dbias_part, cu_seqlens, pairs,
-            float(scale), lb, T, H, HV, NTS, stride_alog, stride_bias,
-            K=K, V=V, C=C, SUBC=SUB, BK=BK, BV=BV, BVS=min(GRADS_BLOCK_V, BV), BKS=min(EXACT_KEY_SLICE, BK),
-            GROUP=HV // H, SAFE=safe, **gcommon,
-            num_warps=GRADS_NUM_WARPS, num_stages=1,
-        )
-    del tinv, aqk, akk, w, kd, egc, hs, dhs, pairs, firsts
-
+    consts = dict(GATE=gate, HAS_A=has_a, HAS_BIAS=has_bias, L2NORM=use_qk_l2norm_in_kernel,
+                  BETA_SIGMOID=use_beta_sigmoid_in_kernel, NEG_EIGVAL=allow_neg_eigval,
+                  SAFE=uses_safe_path(safe_gate, use_gate_in_kernel, lower_bound), IS_VARLEN=cu_seqlens is not None,
+                  DOT_PREC=dot_precision(q.dtype), INV_DOUBLING=USE_DOUBLING_INVERSE)
+    args = (q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlens, A_log, dt_bias, initial_state,
+            float(scale), float(lower_bound if lower_bound is not None else 0.0), state_v_first, L, L2, N,
+            stage_dtype, consts)
+    dq, dk, dv, dg, dbeta, dA_part, ddt_part, dh0 = run_windowed(*args, plan)
+    dev, f32 = q.device, torch.float32
     dA_log = ddt_bias = None
     if A_log is not None:
-        dA_log = dA_part.sum(0) if has_a else torch.zeros(HV, dtype=f32, device=dev)
+        dA_log = dA_part.view(N, HV, -1).sum((0, 2)) if has_a else torch.zeros(HV, dtype=f32, device=dev)
     if dt_bias is not None:
-        ddt_bias = dbias_part.sum(0).view(HV * K) if has_bias else torch.zeros(HV * K, dtype=f32, device=dev)
+        ddt_bias = ddt_part.view(N, HV, -1, K).sum((0, 2)).view(HV * K) if has_bias \
+            else torch.zeros(HV * K, dtype=f32, device=dev)
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0

@@ -1,0 +1,80 @@
+"""CPU tier of the experimental 64-token chunk backward (``KDAKIT_CHUNK_BACKWARD=chunk64``,
+``kdakit/ops/kda/chunk_bwd64.py``) on the Triton interpreter: the public chunk_kda's gradients
+against the float64 naive definition over the option matrix (fp32: round-off only), sequences
+that span several 64-token chunks, several V blocks, GVA, both state layouts; bf16 within the
+SPEC limits; the selector's error."""
+
+import pytest
+import torch
+
+import kdakit.ops.kda.chunk_bwd64 as B64
+from kdakit import chunk_kda
+from kdakit.ops.kda.backend import triton_interpreting
+from kdakit.testing import SPEC_RMS_LIMITS, compare_with_naive, make_kda_inputs
+
+pytestmark = pytest.mark.skipif(not triton_interpreting(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
+# fp32 kernels vs float64, measured 5e-7 to 9e-6 (exact fp32 dots under the interpreter); 5x headroom.
+FP32_LIMIT = 5e-5
+
+
+@pytest.fixture(autouse=True)
+def _chunk64(monkeypatch):
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    monkeypatch.setenv("KDAKIT_CHUNK_BACKWARD", "chunk64")
+
+
+def _compare(inp, limit=FP32_LIMIT, **extra):
+    return compare_with_naive(chunk_kda, inp, {n: limit for n in SPEC_RMS_LIMITS}, **extra)
+
+
+@pytest.mark.parametrize("gate,l2norm,beta_mode", [
+    ("safe", True, "sigmoid"), ("softplus", True, "sigmoid"), ("none", False, "raw"),
+    ("safe_no_alog", True, "neg_eigval"), ("softplus", False, "neg_eigval"),
+])
+def test_options_match_naive(gate, l2norm, beta_mode):
+    gen = torch.Generator().manual_seed(7)
+    # 0 and 1-token sequences, a partial chunk, a sequence over two chunks
+    inp = make_kda_inputs(T=150, H=1, HV=1, K=16, V=16, dtype=torch.float32, gate=gate, seqlens=[70, 0, 1, 79],
+                          initial_state="kv", generator=gen)
+    kw = inp["kwargs"]
+    kw["use_qk_l2norm_in_kernel"] = l2norm
+    kw["use_beta_sigmoid_in_kernel"] = beta_mode != "raw"
+    kw["allow_neg_eigval"] = beta_mode == "neg_eigval"
+    if beta_mode == "raw":
+        inp["tensors"]["beta"] = torch.sigmoid(inp["tensors"]["beta"]).detach().requires_grad_()
+    if not l2norm:
+        for n in ("q", "k"):
+            inp["tensors"][n] = (0.3 * inp["tensors"][n]).detach().requires_grad_()
+    _compare(inp)
+
+
+def test_gva_value_first_state_several_v_blocks(monkeypatch):
+    # V = 48 in 16-column steps of the gradient kernel and the serial passes; 2 value heads per q/k head
+    monkeypatch.setattr(B64, "GRADS_BLOCK_V", 16)
+    monkeypatch.setattr(B64, "STATES_BLOCK_V", 16)
+    gen = torch.Generator().manual_seed(3)
+    inp = make_kda_inputs(T=140, H=1, HV=2, K=32, V=48, dtype=torch.float32, gate="safe", seqlens=[70, 70],
+                          initial_state="vk", generator=gen)
+    _compare(inp)
+
+
+def test_fixed_length_batch_without_initial_state():
+    gen = torch.Generator().manual_seed(5)
+    inp = make_kda_inputs(B=2, T=65, H=2, HV=2, K=16, V=16, dtype=torch.float32, gate="softplus", generator=gen)
+    _compare(inp)
+
+
+def test_bf16_within_spec_limits():
+    seed = 11
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    inp = make_kda_inputs(T=300, H=4, HV=4, K=32, V=32, dtype=torch.bfloat16, gate="safe", seqlens=[100, 200],
+                          initial_state="kv", generator=gen)
+    compare_with_naive(chunk_kda, inp, SPEC_RMS_LIMITS)
+
+
+def test_unknown_chunk_backward_raises(monkeypatch):
+    monkeypatch.setenv("KDAKIT_CHUNK_BACKWARD", "fast")
+    inp = make_kda_inputs(T=20, H=1, K=16, V=16, dtype=torch.float32, gate="safe")
+    with pytest.raises(ValueError, match="KDAKIT_CHUNK_BACKWARD must be one of"):
+        chunk_kda(**inp["tensors"], **inp["kwargs"])
