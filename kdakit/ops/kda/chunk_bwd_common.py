@@ -33,6 +33,7 @@ import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import (
     causal_mask,
+    round_to_bf16,
     l2norm_rows,
     load_chunk_beta,
     load_chunk_gate,
@@ -65,6 +66,34 @@ def dot_precision(dtype: torch.dtype) -> str:
 # (limit 8e-3; T = 4048 over 3 sequences, H = 4); 3xTF32 there.
 def grad_precision() -> str:
     return "ieee" if interpreting() else "tf32x3"
+
+
+# bf16 inputs: those products take bf16 operands (rounded to nearest: unbiased, unlike Triton's
+# truncating TF32) and fp32 accumulation, the decay gradient being formed from the same rounded
+# operands so its cancelling terms cancel exactly; fp16 and fp32 inputs keep 3xTF32.
+GRAD_OP_FP32, GRAD_OP_BF16, GRAD_OP_BF16_EMULATED = 0, 1, 2
+
+
+def grad_operands(dtype: torch.dtype) -> tuple[int, str]:
+    """(GRAD_OP, GRAD_PREC) of the decay-gradient products for inputs of ``dtype``."""
+    if dtype != torch.bfloat16:
+        return GRAD_OP_FP32, grad_precision()
+    if interpreting():
+        return GRAD_OP_BF16_EMULATED, "ieee"
+    return GRAD_OP_BF16, "tf32"  # the precision is unused with bf16 operands
+
+
+@triton.jit
+def grad_operand(x, GRAD_OP: tl.constexpr):
+    """An operand of a decay-gradient product: bf16 (GRAD_OP 1), fp32 rounded like bf16 (2, the
+    interpreter, whose bf16 dot is wrong), or fp32 (0)."""
+    if GRAD_OP == 1:
+        y = x.to(tl.bfloat16)
+    elif GRAD_OP == 2:
+        y = round_to_bf16(x.to(tl.float32))
+    else:
+        y = x.to(tl.float32)
+    return y
 
 
 # ---------------------------------------------------------------- per-chunk helpers -------------

@@ -30,9 +30,13 @@ Two facts make most of the work parallel: the state-gradient recurrence
   255 registers with spills. Floors: any backward moves >= 1.8 GB -> 0.42 ms at 4.3 TB/s; this
   design moves ~10.4 GB (S_c and dS slots written and read back once, 6.4 GB; inputs read three
   times) -> 2.4 ms; ~0.39 TFLOP -> 0.5 ms at 790 TFLOP/s.
-  Matmul precision: GRAD_PREC (3xTF32 on the GPU) on the products that feed the decay gradient.
-  Plain TF32 there measured 9.7 ms faster at 1x8K H96 but failed the GPU tier: ddt_bias RMS ratio
-  1.66e-2 against 8e-3 (T = 4048 over 3 sequences, H = 4, initial state); see chunk_bwd_common.
+  Matmul precision of the products that feed the decay gradient (GRAD_OP / GRAD_PREC,
+  ``chunk_bwd_common.grad_operands``): bf16 operands rounded to nearest for bf16 inputs, with the
+  decay gradient formed from the same rounded operands so its cancelling pairs cancel exactly;
+  3xTF32 for fp16 / fp32 inputs. Plain (truncating) TF32 there measured 9.7 ms faster than 3xTF32 at
+  1x8K H96 but failed the GPU tier: ddt_bias RMS ratio 1.66e-2 against 8e-3 (T = 4048 over 3
+  sequences, H = 4, initial state). Interpreter, bf16, T = 300, H = 4, K = V = 32: ddt_bias 2.9e-3,
+  dA_log 2.4e-3, dg 4.3e-3 with bf16 operands (1.7e-3, 2.6e-3, 3.4e-3 with exact fp32 ones).
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from kdakit.ops.kda.chunk_bwd_common import (
     LAST_LAUNCH,
     exact_pairwise_bwd,
     exact_qk_kk,
-    grad_precision,
+    grad_operand,
+    grad_operands,
     interpreting,
     state_step,
     state_strides,
@@ -86,7 +91,7 @@ def _dstate_step(dS, q_base, k_base, g_base, b_base, bias_ptr, do_base, t0, n_ro
                  K, n_vcols, scale, expA, lower_bound, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
                  BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
-                 DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr):
+                 DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, GRAD_OP: tl.constexpr, INV_DOUBLING: tl.constexpr):
     """dL/dS before the chunk at row t0 from dL/dS after it; needs no state (S-free)::
 
         dV' = scale Aqk^T dO + kd dS,   dS_prev = gC dS + scale (q Gam)^T dO - W^T dV'
@@ -107,9 +112,11 @@ def _dstate_step(dS, q_base, k_base, g_base, b_base, bias_ptr, do_base, t0, n_ro
     Gam = tl.exp(G)
     if SAFE:
         eg, egi = safe_gate_factors(G, C)
-        ki = k * egi
-        Aqk = tl.where(causal_mask(C, True), tl.dot(q * eg, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
-        Akk = tl.where(causal_mask(C, False), tl.dot(k * eg, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
+        ki = grad_operand(k * egi, GRAD_OP)
+        Aqk = tl.where(causal_mask(C, True), tl.dot(grad_operand(q * eg, GRAD_OP), tl.trans(ki),
+                                                    input_precision=GRAD_PREC), 0.0)
+        Akk = tl.where(causal_mask(C, False), tl.dot(grad_operand(k * eg, GRAD_OP), tl.trans(ki),
+                                                     input_precision=GRAD_PREC), 0.0)
     else:
         Aqk, Akk = exact_qk_kk(q, k, G, C)
     if INV_DOUBLING:
@@ -178,7 +185,7 @@ def chunk_kda_bwd_window_states_kernel(
     SUB_CHUNKS: tl.constexpr, N_SUB: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr, ROUND_STAGE: tl.constexpr,
+    DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, GRAD_OP: tl.constexpr, INV_DOUBLING: tl.constexpr, ROUND_STAGE: tl.constexpr,
 ):
     """Stage 2, grid (N*HV, cdiv(V, BV), 2) for window ``win`` (global window index of every sequence).
 
@@ -237,7 +244,7 @@ def chunk_kda_bwd_window_states_kernel(
                 store_matrix(slots + (c - d0) * KV, round_to_bf16_if(dS, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
                 dS = _dstate_step(dS, q_b, k_b, g_b, b_b, bias_p, do_b, c * C, n_rows, H * K, HV * V, HV * K, HV,
                                   K, V - v0, scale, expA, lower_bound, C, BK, BV, GATE, HAS_BIAS, L2NORM,
-                                  BETA_SIGMOID, NEG_EIGVAL, SAFE, DOT_PREC, GRAD_PREC, INV_DOUBLING)
+                                  BETA_SIGMOID, NEG_EIGVAL, SAFE, DOT_PREC, GRAD_PREC, GRAD_OP, INV_DOUBLING)
                 c -= 1
             store_matrix(c_ptr, dS, s_c_k, s_c_v, K, V, v0, BK, BV)
 
@@ -248,7 +255,7 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
                        BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
-                       DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr):
+                       DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, GRAD_OP: tl.constexpr, INV_DOUBLING: tl.constexpr):
     """The gradients of ``chunk_grads`` (not dS_prev) with S and dS read in value blocks of BV.
 
     S and dS are K-major ``[K, V]`` slots at s_base / ds_base. Only ``[BK, BV]`` pieces of them and
@@ -285,9 +292,9 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
     kd = k * eC
     if SAFE:
         eg, egi = safe_gate_factors(G, C)
-        qr = q * eg
-        kr = k * eg
-        ki = k * egi
+        qr = grad_operand(q * eg, GRAD_OP)
+        kr = grad_operand(k * eg, GRAD_OP)
+        ki = grad_operand(k * egi, GRAD_OP)
         Aqk = tl.where(causal_mask(C, True), tl.dot(qr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
         Akk = tl.where(causal_mask(C, False), tl.dot(kr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
     else:
@@ -318,9 +325,9 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
         Vp = tl.dot(Tinv, Y, input_precision=DOT_PREC) - tl.dot(W, S, input_precision=DOT_PREC)  # [C, BV]
         dVp = tl.dot(tl.trans(Aqk), sdo, input_precision=DOT_PREC) + tl.dot(kd, dS, input_precision=DOT_PREC)
         dAqk += tl.dot(sdo, tl.trans(Vp), input_precision=DOT_PREC)
-        dqG += tl.dot(sdo, tl.trans(S), input_precision=GRAD_PREC)
+        dqG += tl.dot(grad_operand(sdo, GRAD_OP), tl.trans(grad_operand(S, GRAD_OP)), input_precision=GRAD_PREC)
         dW -= tl.dot(dVp, tl.trans(S), input_precision=DOT_PREC)
-        dkd += tl.dot(Vp, tl.trans(dS), input_precision=GRAD_PREC)
+        dkd += tl.dot(grad_operand(Vp, GRAD_OP), tl.trans(grad_operand(dS, GRAD_OP)), input_precision=GRAD_PREC)
         dgC += tl.sum(S * dS, axis=1)
         dTY += tl.dot(dVp, tl.trans(Y), input_precision=DOT_PREC)
         dY = tl.dot(TinvT, dVp, input_precision=DOT_PREC)  # [C, BV]
@@ -331,7 +338,7 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
 
     # ---- through Tinv = (I + beta Araw)^-1
     dT = tl.dot(dW, tl.trans(X), input_precision=DOT_PREC) + dTY
-    dX = tl.dot(TinvT, dW, input_precision=GRAD_PREC)  # [C, BK]
+    dX = tl.dot(grad_operand(TinvT, GRAD_OP), grad_operand(dW, GRAD_OP), input_precision=GRAD_PREC)  # [C, BK]
     dM = -tl.dot(tl.dot(TinvT, dT, input_precision=DOT_PREC), TinvT, input_precision=DOT_PREC)
     dM = tl.where(causal_mask(C, False), dM, 0.0)  # [C, C]
     dAkk = b[:, None] * dM
@@ -339,13 +346,17 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
 
     # ---- pairwise terms
     if SAFE:
-        dqr = tl.dot(dAqk, ki, input_precision=GRAD_PREC)  # [C, BK]
-        dkr = tl.dot(dAkk, ki, input_precision=GRAD_PREC)
-        dki = tl.dot(tl.trans(dAqk), qr, input_precision=GRAD_PREC) \
-            + tl.dot(tl.trans(dAkk), kr, input_precision=GRAD_PREC)
+        # With bf16 operands the decay gradient multiplies the dots' results by the same rounded
+        # operands the dots used, so each pair's two terms (and the i = j terms) cancel exactly.
+        dAo = grad_operand(dAqk, GRAD_OP)
+        dAko = grad_operand(dAkk, GRAD_OP)
+        dqr = tl.dot(dAo, ki, input_precision=GRAD_PREC)  # [C, BK]
+        dkr = tl.dot(dAko, ki, input_precision=GRAD_PREC)
+        dki = tl.dot(tl.trans(dAo), qr, input_precision=GRAD_PREC) \
+            + tl.dot(tl.trans(dAko), kr, input_precision=GRAD_PREC)
         dq = dqr * eg
         dk = dkr * eg + dki * egi
-        dG = dqr * qr + dkr * kr - dki * ki
+        dG = dqr * qr.to(tl.float32) + dkr * kr.to(tl.float32) - dki * ki.to(tl.float32)
     else:
         dq, dk, dG = exact_pairwise_bwd(dAqk, dAkk, q, k, G, C)
 
@@ -382,7 +393,7 @@ def chunk_kda_bwd_window_grads_kernel(
     GROUP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB_CHUNKS: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr,
+    DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, GRAD_OP: tl.constexpr, INV_DOUBLING: tl.constexpr,
 ):
     """Stage 3, grid (N*H, SUB_CHUNKS) for window ``win``: every gradient of one chunk, for the
     GROUP value heads of one q/k head (dq, dk summed over them in registers, stored once), from
@@ -418,7 +429,7 @@ def chunk_kda_bwd_window_grads_kernel(
                 ws_s + slot, ws_ds + slot, q_b, k_b, v + vo, g + go, beta + bos * HV + hv, dt_bias + hv * K,
                 do + vo, dv + vo, dg + go, dbeta + bos * HV + hv, t0, n_rows,
                 H * K, HV * V, HV * K, HV, K, V, scale, expA, lower_bound,
-                C, BK, BV, GATE, HAS_BIAS, L2NORM, BETA_SIGMOID, NEG_EIGVAL, SAFE, DOT_PREC, GRAD_PREC,
+                C, BK, BV, GATE, HAS_BIAS, L2NORM, BETA_SIGMOID, NEG_EIGVAL, SAFE, DOT_PREC, GRAD_PREC, GRAD_OP,
                 INV_DOUBLING)
             dq_acc += dq_t
             dk_acc += dk_t
@@ -545,7 +556,7 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
     c_str = state_strides(carry, state_v_first)
     seq = {k_: consts[k_] for k_ in ("GATE", "HAS_A", "HAS_BIAS", "L2NORM", "BETA_SIGMOID", "NEG_EIGVAL", "SAFE",
                                      "IS_VARLEN", "DOT_PREC", "INV_DOUBLING")}
-    grad_prec = grad_precision()
+    grad_op, grad_prec = grad_operands(q.dtype)
     for win in reversed(range(n_win)):
         seg = win // n_sub
         # Stage 1 runs before the segment's first processed (= last existing) window.
@@ -559,14 +570,14 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
             q, k, v, g, beta, do, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr,
             ws_win if ws_win is not None else dummy, ws_s, ws_ds, carry,
             win, scale, lower_bound, T, H, HV, K, V, *c_str,
-            GROUP=HV // H, C=C, BK=BK, BV=BV2, SUB_CHUNKS=sub, N_SUB=n_sub, **seq, GRAD_PREC=grad_prec,
+            GROUP=HV // H, C=C, BK=BK, BV=BV2, SUB_CHUNKS=sub, N_SUB=n_sub, **seq, GRAD_PREC=grad_prec, GRAD_OP=grad_op,
             ROUND_STAGE=interpreting() and stage_dtype == torch.bfloat16, num_warps=STATE_NUM_WARPS, num_stages=1)
         LAST_LAUNCH["window_grads"] = chunk_kda_bwd_window_grads_kernel[(N * H, sub)](
             q, k, v, g, beta, do, cu, a_ptr, b_ptr, ws_s, ws_ds,
             dq, dk, dv, dg, dbeta, dA_part if dA_part is not None else dummy,
             ddt_part if ddt_part is not None else dummy,
             win, scale, lower_bound, T, H, HV, K, V,
-            C=C, BK=BK, BV=BVG, SUB_CHUNKS=sub, GROUP=HV // H, **seq, GRAD_PREC=grad_prec,
+            C=C, BK=BK, BV=BVG, SUB_CHUNKS=sub, GROUP=HV // H, **seq, GRAD_PREC=grad_prec, GRAD_OP=grad_op,
             num_warps=GRADS_NUM_WARPS, num_stages=GRADS_NUM_STAGES)
     del ws_win, ws_s, ws_ds, carry
     return dq, dk, dv, dg, dbeta, dA_part, ddt_part, dh0
