@@ -357,7 +357,8 @@ def build(fn, const, warps):
 
 
 c = dict(C=16, BK=128, GATE=2, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA_SIGMOID=True, NEG_EIGVAL=False,
-         SAFE=True, IS_VARLEN=True, DOT_PREC="tf32", GRAD_PREC="tf32x3", INV_DOUBLING=True, GROUP=1, SUB_CHUNKS=16)
+         SAFE=True, IS_VARLEN=True, DOT_PREC="tf32", GRAD_PREC="tf32", GRAD_OP=1, INV_DOUBLING=True, GROUP=1,
+         SUB_CHUNKS=16)
 build(M.chunk_kda_bwd_window_states_kernel, dict(c, BV=128, N_SUB=8, ROUND_STAGE=False), M.STATE_NUM_WARPS)
 build(M.chunk_kda_bwd_window_grads_kernel, dict(c, BV=M.GRADS_BLOCK_V), M.GRADS_NUM_WARPS)
 """
