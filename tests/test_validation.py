@@ -208,3 +208,20 @@ def test_cu_seqlens_cpu_gives_the_lengths_and_the_plan():
                                   cu_seqlens_cpu=kw["cu_seqlens"].to(dt), **opts)
         assert got == want and got.seqlens == (37, 0, 33)
     assert plan_kda(t["q"], t["v"], seqlens=want.seqlens) == plan_kda(t["q"], t["v"], cu_seqlens=kw["cu_seqlens"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["A_log", "dt_bias"])
+def test_strided_gate_parameter_is_refused(monkeypatch, backend, name):
+    # a view with element stride 2 was read as if dense by the kernels (silently wrong on the H200)
+    from kdakit import chunk_kda
+    from kdakit.testing import make_kda_inputs
+
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    inp = make_kda_inputs(T=20, H=2, K=16, V=16, dtype=torch.float32, gate="safe")
+    t = dict(inp["tensors"])
+    dense = t[name].detach()
+    t[name] = torch.stack([dense, torch.full_like(dense, 7.0)], 1).reshape(-1)[::2]
+    assert torch.equal(t[name], dense) and t[name].stride(0) == 2
+    with pytest.raises(ValueError, match=f"{name} must be a dense vector"):
+        chunk_kda(**t, **inp["kwargs"])

@@ -74,6 +74,14 @@ def _check_offset_values(name: str, cu: list[int], T: int) -> None:
         raise ValueError(f"{name} must end at T={T} (q.shape[1]), got {cu[-1]}")
 
 
+def _check_unit_stride(name: str, t: torch.Tensor) -> None:
+    """The kernels read gate parameters as dense vectors: a strided view (e.g. ``big[::2]``) is refused,
+    on every backend, rather than read wrongly (the H200 gave a silently wrong output for it)."""
+    if t.numel() > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be a dense vector (element stride 1), got stride {t.stride(0)}; "
+                         f"pass {name}.contiguous()")
+
+
 def validate_kda_inputs(
     q, k, v, g, beta, *,
     scale,
@@ -146,10 +154,12 @@ def validate_kda_inputs(
         _check_tensor("A_log", A_log, 1, param_dtypes)
         if A_log.shape[0] != HV:
             raise ValueError(f"A_log must have shape [HV] = [{HV}], got {_shape(A_log)}")
+        _check_unit_stride("A_log", A_log)
     if dt_bias is not None:
         _check_tensor("dt_bias", dt_bias, 1, param_dtypes)
         if dt_bias.shape[0] != HV * K:
             raise ValueError(f"dt_bias must have shape [HV * K] = [{HV * K}], got {_shape(dt_bias)}")
+        _check_unit_stride("dt_bias", dt_bias)
 
     N, seqlens = B, None
     if cu_seqlens_cpu is not None and cu_seqlens is None:
