@@ -223,10 +223,6 @@ def test_state_pool_all_padded(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason=(
-    "known: the Triton path copies host-built tables (plan.py checkpoint offsets, chunk tables in chunk_fwd/"
-    "chunk_bwd) to the device with blocking copies, each a cudaStreamSynchronize; they need pinned memory and "
-    "non_blocking=True before this can pass. Remove the xfail then."))
 @pytest.mark.parametrize("packed", [True, False])
 def test_gpu_call_does_not_synchronize(packed):
     """On CUDA, with cu_seqlens_cpu (or fixed-length inputs) a warm forward+backward runs with

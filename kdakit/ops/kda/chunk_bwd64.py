@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import triton_interpreting
+from kdakit.ops.kda.plan import host_to_device
 from kdakit.ops.kda.chunk_common import block_size, gate_mode, load_matrix, load_rows, store_matrix, store_rows
 from kdakit.ops.kda.chunk_tiles import (
     CHUNK,
@@ -532,7 +533,7 @@ def chunk_chunk_table(lengths, chunk: int, device) -> tuple[torch.Tensor, torch.
         raise ValueError(f"the chunk table needs int32 entries, got {nt} chunks")
     seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
     local = torch.arange(nt) - firsts[:-1].repeat_interleave(counts)
-    table = torch.cat([torch.stack([seq, local], 1).reshape(-1), firsts]).to(torch.int32).to(device)
+    table = host_to_device(torch.cat([torch.stack([seq, local], 1).reshape(-1), firsts]).to(torch.int32), device)
     return table[: 2 * nt], table[2 * nt:], nt
 
 

@@ -177,11 +177,22 @@ def checkpoint_offsets(cu_seqlens=None, *, B: int | None = None, T: int | None =
     return _offsets_tensor(sequence_lengths(B or 1, T or 0, cu_seqlens), every_n_tokens, device)
 
 
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Copy a small host-built tensor to ``device`` without synchronizing: on CUDA through pinned memory
+    with ``non_blocking`` (a pageable copy waits for the stream to drain); elsewhere a plain copy."""
+    if device is None:
+        return t
+    device = torch.device(device)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _offsets_tensor(lengths: Sequence[int], every_n_tokens: int, device) -> torch.Tensor:
     offs = [0]
     for c in checkpoint_counts(lengths, every_n_tokens):
         offs.append(offs[-1] + c)
-    return torch.tensor(offs, dtype=torch.int64, device=device)
+    return host_to_device(torch.tensor(offs, dtype=torch.int64), device)
 
 
 def chunk_counts(lengths: Sequence[int]) -> list[int]:
@@ -206,7 +217,7 @@ def forward_chunk_table(lengths: Sequence[int], device=None) -> torch.Tensor:
     table = torch.cat([torch.stack([seq, local], 1).reshape(-1), firsts])
     if nt + len(counts) >= 2**31:
         raise ValueError(f"the chunk table needs int32 entries, got {nt} chunks")
-    return table.to(torch.int32).to(device) if device is not None else table.to(torch.int32)
+    return host_to_device(table.to(torch.int32), device)
 
 
 def _check_cadence(L) -> None:
