@@ -13,9 +13,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import kdakit.ops.kda.chunk_bwd as M
+import kdakit.ops.kda.chunk_bwd64 as M
 
 TOK = {"q", "k", "v", "g", "beta", "do", "dq", "dk", "dv", "dg", "dbeta", "tinv", "hs", "dhs", "w", "kd", "aqk", "akk"}
+F32_EXTRA = {"inter", "dA2", "db_buf", "dgc_buf"}
 F32 = {"A_log", "dt_bias", "dA_part", "dbias_part", "h0", "dht", "dh0", "egc"}
 
 
@@ -26,7 +27,7 @@ def build(fn, const, warps):
             sig[n] = "constexpr"
         elif n in TOK:
             sig[n] = "*bf16"
-        elif n in F32:
+        elif n in F32 or n in F32_EXTRA:
             sig[n] = "*fp32"
         elif n in ("cu_seqlens",):
             sig[n] = "*i64"
@@ -60,7 +61,8 @@ def main():
     ap.add_argument("--warps-states", type=int, default=M.STATES_NUM_WARPS)
     ap.add_argument("--warps-prep", type=int, default=M.PREP_NUM_WARPS)
     ap.add_argument("--safe", type=int, default=1)
-    ap.add_argument("--only", default="prep,states,grads")
+    ap.add_argument("--only", default="prep,states,grads,pair")
+    ap.add_argument("--warps-pair", type=int, default=M.PAIR_NUM_WARPS)
     ap.add_argument("--states-bv", type=int, default=M.STATES_BLOCK_V)
     a = ap.parse_args()
     c = dict(K=128, V=128, C=64, GATE=2, HAS_A_LOG=True, HAS_BIAS=True, USE_L2NORM=True, BETA_SIGMOID=True,
@@ -74,9 +76,12 @@ def main():
         build(M.chunk_kda_bwd_states_kernel, dict(sc, BK=128, BV=a.states_bv, HAS_H0=False, HAS_DHT=False,
                                                   STORE_DH0=False, LOOP_WHILE=False), a.warps_states)
     if "grads" in only:
-        build(M.chunk_kda_bwd_grads_kernel, dict(c, SUBC=16, BK=128, BV=128, BVS=M.GRADS_BLOCK_V, BKS=16, GROUP=1, SAFE=bool(a.safe)),
-              a.warps_grads)
-
+        gc = {n: c[n] for n in c if n != "SAFE"}
+        build(M.chunk_kda_bwd_state_grads_kernel, dict(gc, BK=128, BV=128, BVS=M.GRADS_BLOCK_V), a.warps_grads)
+    if "pair" in only:
+        pc = {n: c[n] for n in c if n not in ("V",)}
+        build(M.chunk_kda_bwd_pair_grads_kernel, dict(pc, SUBC=16, BK=128, BKS=16, GROUP=1, SAFE=bool(a.safe)),
+              a.warps_pair)
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-"""Development check of the Triton chunk path on the GPU: accuracy against the float64 chunked
+"""Development check of the experimental 64-token backward (KDAKIT_CHUNK_BACKWARD=chunk64) on the GPU: accuracy against the float64 chunked
 reference at real head sizes, then per-kernel CUDA times and step times at one shape, for a few
 launch configurations of the backward.
 
@@ -104,7 +104,9 @@ def main():
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--gates", default="safe,softplus")
     a = ap.parse_args()
-    import kdakit.ops.kda.chunk_bwd as M
+    import kdakit.ops.kda.chunk_bwd64 as M
+
+    os.environ.setdefault("KDAKIT_CHUNK_BACKWARD", "chunk64")
 
     res = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("KDAKIT_GIT_SHA", "unknown")}
 
@@ -125,12 +127,13 @@ def main():
     for var in variants:
         for item in filter(None, var.split(",")):
             name, val = item.split("=")
-            setattr(M, {"grads": "GRADS_NUM_WARPS", "states": "STATES_NUM_WARPS", "prep": "PREP_NUM_WARPS",
+            setattr(M, {"grads": "GRADS_NUM_WARPS", "pair": "PAIR_NUM_WARPS", "states": "STATES_NUM_WARPS",
+                        "prep": "PREP_NUM_WARPS",
                         "sbv": "STATES_BLOCK_V", "gbv": "GRADS_BLOCK_V"}[name], int(val))
         t = time.time()
         r = perf(mbs, seq, int(heads))
-        r["config"] = {n: getattr(M, n) for n in ("GRADS_NUM_WARPS", "STATES_NUM_WARPS", "PREP_NUM_WARPS",
-                                                  "STATES_BLOCK_V", "GRADS_BLOCK_V")}
+        r["config"] = {n: getattr(M, n) for n in ("GRADS_NUM_WARPS", "PAIR_NUM_WARPS", "STATES_NUM_WARPS",
+                                                  "PREP_NUM_WARPS", "STATES_BLOCK_V", "GRADS_BLOCK_V")}
         res.setdefault("perf", []).append(r)
         print(a.shape, r["config"], f"fwd {r['fwd_ms']:.2f} ms, fwd+bwd {r['fwd_bwd_ms']:.2f} ms ({time.time() - t:.0f}s)",
               flush=True)

@@ -1,4 +1,4 @@
-"""Locate a faulting kernel: one small forward+backward per launch configuration, each in its own process
+"""Locate a faulting kernel of the experimental 64-token backward: one small forward+backward per launch configuration, each in its own process
 with CUDA_LAUNCH_BLOCKING=1 (usage: python benchmarks/dev_fault.py 'prep=8,states=8' 'prep=4' ...)."""
 import os
 import subprocess
@@ -6,10 +6,12 @@ import sys
 
 CHILD = r"""
 import os, sys, torch
-import kdakit.ops.kda.chunk_bwd as M
+os.environ["KDAKIT_CHUNK_BACKWARD"] = "chunk64"
+import kdakit.ops.kda.chunk_bwd64 as M
 for item in filter(None, sys.argv[1].split(",")):
     n, v = item.split("=")
-    setattr(M, {"grads": "GRADS_NUM_WARPS", "states": "STATES_NUM_WARPS", "prep": "PREP_NUM_WARPS",
+    setattr(M, {"grads": "GRADS_NUM_WARPS", "pair": "PAIR_NUM_WARPS", "states": "STATES_NUM_WARPS",
+                "prep": "PREP_NUM_WARPS",
                 "sbv": "STATES_BLOCK_V", "gbv": "GRADS_BLOCK_V"}[n], int(v))
 from kdakit import chunk_kda
 T, H = int(sys.argv[2]), int(sys.argv[3])

@@ -1,14 +1,15 @@
 """Experimental Triton backward of chunked KDA at 64-token chunks: three whole-sequence launches
 (``KDAKIT_CHUNK_BACKWARD=chunk64``; the default is the windowed backward of ``chunk_bwd.py``).
 
-Status, measured on the H200 at 1 x 8K, H = HV = 96, bf16, SPEC §3 flags (``docs/perf_notes.md``):
-exact to fp32 round-off under the interpreter for every option; on the GPU forward+backward 40.9 ms
-(the windowed backward: 41.5 ms; FLA 0.6.0: 13.3 ms) with prep 7.3, serial passes 1.55 and gradients
-26.9 ms: the prep and gradient kernels hold too many ``[64, 128]`` fp32 tiles at once (ptxas: 255
-registers, 3 KB and 20 KB of spill code). It keeps per-chunk buffers (states, state gradients,
-W, kd, Aqk, Akk, the inverse: about 1.9 KB per token and value head in bf16), so it is also far
-above the memory target; it is kept as the verified reference of the 64-token math for the next
-design, not as a product path.
+Status (``docs/perf_notes.md``): exact to fp32 round-off under the interpreter for every option. On the
+H200 at 1 x 8K, H = HV = 96, bf16, SPEC §3 flags, with the gradients in one fused kernel (2485f0a):
+forward+backward 40.9 ms (the windowed backward then: 41.5 ms; FLA 0.6.0: 13.3 ms), prep 7.3, serial
+passes 1.55, gradients 26.9 ms, the prep and gradient kernels holding too many ``[64, 128]`` fp32 tiles at
+once (ptxas: 255 registers, 3 KB and 20 KB of spill code). The gradients are now split in two kernels
+(state products, then pairwise terms; ptxas: 8.1 KB and 7.5 KB of spill code) that have not run on a GPU.
+It keeps per-chunk buffers (states, state gradients, W, kd, Aqk, Akk, the inverse: about 1.9 KB per token
+and value head in bf16) and the split's fp32 intermediates (about 2 KB more), so it is far above the
+memory target: it is the verified reference of the 64-token math for the next design, not a product path.
 
 Per chunk of C = 64 tokens (``chunk_tiles.py`` for the sub-chunk numerics), with S the state entering
 the chunk and dS' the state gradient leaving it::
@@ -25,9 +26,11 @@ the chunk and dS' the state gradient leaving it::
    from h0 and stores the state entering every chunk; role 1 walks it backward from dht, reading P and
    storing the state gradient leaving every chunk (it needs no state), and writes dh0. Both roles
    recompute only kd, W and U per step (one small dot each) from the stored inverse.
-3. ``chunk_kda_bwd_grads_kernel``, grid ``(chunks, H)``: every gradient of one chunk from its stored
-   S and dS' (a group of HV/H value heads shares its q/k head, so dq and dk are summed in registers),
-   written once in the token dtype; A_log / dt_bias partials per chunk, summed in torch.
+3. ``chunk_kda_bwd_state_grads_kernel``, grid ``(chunks, HV)``: the products with the chunk's stored S and
+   dS' (dv, final) and everything through the inverse, into fp32 intermediates; then
+   ``chunk_kda_bwd_pair_grads_kernel``, grid ``(chunks, H)``: the pairwise terms and every token
+   transform's gradient (a group of HV/H value heads shares its q/k head, so dq and dk are summed in
+   registers), written once in the token dtype; A_log / dt_bias partials per chunk, summed in torch.
 
 Slots: ``[chunks, HV, K, V]`` in the token dtype (K-major), one pair per chunk of every sequence.
 Layouts: q, k ``[B, T, H, K]``; v, dO ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]`` (all
@@ -74,6 +77,7 @@ EXACT_KEY_SLICE = 16  # BKS of the EXACT diagonal blocks: [16, 16, 16] fp32 per 
 PREP_NUM_WARPS = 8
 STATES_NUM_WARPS = 8
 GRADS_NUM_WARPS = 8
+PAIR_NUM_WARPS = 8
 STATES_BLOCK_V = 64
 GRADS_BLOCK_V = 64  # the gradient kernel's V loop step (32-wide tiles faulted on the H200: illegal address)
 
@@ -346,17 +350,25 @@ def chunk_kda_bwd_states_kernel(
 
 
 @triton.jit
-def _value_head_grads(
-    q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs, dv, dg, dbeta, dA_part,
-    dbias_part, i_t, i_hv, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BVS: tl.constexpr, BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
-    OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+def chunk_kda_bwd_state_grads_kernel(
+    q, k, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs,
+    dv, inter, dA2, db_buf, dgc_buf, cu_seqlens, chunk_table,
+    scale, lower_bound, T, H, HV, NTS, stride_alog, stride_bias, TOK_PLANE, A_PLANE,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVS: tl.constexpr,
+    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """One value head of one chunk: writes dv, dg, dbeta and the parameter partials; returns this head's
-    (dq, dk) w.r.t. the normalized q, k ``[C, BK]``. Tiles that are not needed across the V loop are
-    recomputed after it (q, k, G: cheap reloads) to keep registers for the loop's accumulators."""
+    """Kernel 3a, grid ``(chunks, HV)``: the products with the chunk's state S and state gradient dS' (dv,
+    final) and everything through the inverse; writes fp32 intermediates for kernel 3b: the inter-chunk
+    parts of dq, dk and the decay gradient ``inter [3, B, T, HV, K]``, dAqk and dAkk ``dA2 [2, B, T, HV, C]``,
+    the beta gradient ``db_buf [B, T, HV]`` and d exp(g_C) ``dgc_buf [chunks, HV, K]``."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
+    q_base = q + (bos * H + i_h) * K
+    k_base = k + (bos * H + i_h) * K
     rows = tl.arange(0, C)
     real = (t0 + rows) < seq_len  # [C]
     causal = rows[:, None] >= rows[None, :]
@@ -364,13 +376,12 @@ def _value_head_grads(
     cols = tl.arange(0, BK)
     tok_k = (bos * HV + i_hv) * K
     tok_v = (bos * HV + i_hv) * V
-    g_base = g + tok_k
+    tok_c = (bos * HV + i_hv) * C
     bias_ptr = bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS)
     expA = gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG)
-    bt, braw = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
+    bt, _ = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
 
     # ---- operands of the V loop, as the prep kernel stored them (bf16 with OP_BF16)
-    tok_c = (bos * HV + i_hv) * C
     Aqk = dot_operand(tl.where(causal, load_rows(aqk + tok_c, t0, seq_len, HV * C, 0, C, C, C), 0.0),
                       OP_BF16, EMULATE_BF16)  # [C, C]
     Ti, W, kdo, egc_c = load_step_operands(w + tok_k, kd + tok_k, tinv + tok_c, egc + (i_t * HV + i_hv) * K, t0,
@@ -407,17 +418,15 @@ def _value_head_grads(
         dTi += tl.dot(dvn, tl.trans(vb), input_precision=DOT_PREC)
         store_rows(dv + tok_v, dXv * bt[:, None], t0, seq_len, HV * V, v0, V, C, BVS)
     dgc = dgc * egc_c
-    dAqk = tl.where(causal, dAqk, 0.0)
 
     # ---- W = Tinv (beta kΓ), Tinv = (I + A)^-1 with A = beta Akk: dA = -Tinv^T dTinv Tinv^T (strictly lower)
-    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
-    kn, rk = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
-    x = gate_preact(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, stride_bias, C, BK, HAS_BIAS)  # [C, BK]
-    a = gate_from_preact(x, t0, seq_len, 0, K, expA, lower_bound, C, BK, GATE)
+    qn, _ = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
+    kn, _ = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
+    a = load_gate(g + tok_k, bias_ptr, t0, seq_len, HV * K, 0, K, expA, lower_bound, C, BK, GATE, HAS_BIAS,
+                  stride_bias)
     G = tl.cumsum(a, axis=0)
-    gcs = tl.sum(a, axis=0)  # [BK]
     gam = tl.exp(G)
-    edec = tl.where(real[:, None], tl.exp(gcs[None, :] - G), 0.0)
+    edec = tl.where(real[:, None], tl.exp(tl.sum(a, axis=0)[None, :] - G), 0.0)
     kg = kn * gam
     dXk = tl.dot(tl.trans(Ti), dot_operand(dW, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)  # [C, BK]
     db += tl.sum(kg * dXk, axis=1)
@@ -427,24 +436,61 @@ def _value_head_grads(
     dAm = tl.where(strict, dAm, 0.0)
     db += tl.sum(dAm * load_rows(akk + tok_c, t0, seq_len, HV * C, 0, C, C, C), axis=1)
 
-    # ---- pairwise terms; decay gradient dG = x dx - y dy of each pairwise matrix (its i = j terms
-    # cancel exactly and are left out), plus the Γ, kd and exp(g_C) factors
-    # q/k gradients and the decay gradient start with the inter-chunk (state) terms, then gather the pairwise
-    # ones: x dx - y dy of each pairwise matrix (its i = j terms cancel exactly and are left out)
+    # ---- the inter-chunk (state) terms of dq, dk and the decay gradient
     dkg = dXk * bt[:, None]
     kdf = kn * edec
-    dG = qn * gam * dqg + kg * dkg - kdf * dkd
     dgc += tl.sum(kdf * dkd, axis=0)
-    dqn = dqg * gam
-    dkn = dkg * gam + dkd * edec
-    dkn, dky, dG = _pairwise_bwd(dAm * bt[:, None], kn, kn, G, dkn, tl.zeros_like(dkn), dG, k_base, k_base, rk, rk, g_base, bias_ptr,
-                                 t0, seq_len, H * K, HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE,
-                                 HAS_BIAS, SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
+    tp = TOK_PLANE.to(tl.int64)  # 2 planes of T*HV*K can pass 2^31
+    store_rows(inter + tok_k, dqg * gam, t0, seq_len, HV * K, 0, K, C, BK)
+    store_rows(inter + tp + tok_k, dkg * gam + dkd * edec, t0, seq_len, HV * K, 0, K, C, BK)
+    store_rows(inter + 2 * tp + tok_k, qn * gam * dqg + kg * dkg - kdf * dkd, t0, seq_len, HV * K, 0, K,
+               C, BK)
+    store_rows(dA2 + tok_c, tl.where(causal, dAqk, 0.0), t0, seq_len, HV * C, 0, C, C, C)
+    store_rows(dA2 + A_PLANE.to(tl.int64) + tok_c, dAm * bt[:, None], t0, seq_len, HV * C, 0, C, C, C)
+    tl.store(db_buf + (bos + t0 + rows).to(tl.int64) * HV + i_hv, db, mask=real)
+    tl.store(dgc_buf + (i_t * HV + i_hv) * K + cols, dgc, mask=cols < K)
+
+
+@triton.jit
+def _pair_head_grads(
+    q_base, k_base, qn, rq, kn, rk, g, beta, A_log, dt_bias, inter, dA2, db_buf, dgc_buf, dg, dbeta, dA_part,
+    dbias_part, i_t, i_hv, bos, seq_len, t0, lower_bound, H, HV, stride_alog, stride_bias, TOK_PLANE, A_PLANE,
+    K: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, GATE: tl.constexpr,
+    HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+    SAFE: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One value head of kernel 3b: the pairwise terms, the gate and beta chains; writes dg, dbeta and the
+    parameter partials, returns this head's (dq, dk) w.r.t. the normalized q, k."""
+    rows = tl.arange(0, C)
+    real = (t0 + rows) < seq_len
+    cols = tl.arange(0, BK)
+    tok_k = (bos * HV + i_hv) * K
+    tok_c = (bos * HV + i_hv) * C
+    g_base = g + tok_k
+    bias_ptr = bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS)
+    expA = gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG)
+    G = tl.cumsum(load_gate(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, expA, lower_bound, C, BK, GATE, HAS_BIAS,
+                            stride_bias), axis=0)  # [C, BK]
+    tp = TOK_PLANE.to(tl.int64)  # 2 planes of T*HV*K can pass 2^31
+    dqn = load_rows(inter + tok_k, t0, seq_len, HV * K, 0, K, C, BK)
+    dkn = load_rows(inter + tp + tok_k, t0, seq_len, HV * K, 0, K, C, BK)
+    dG = load_rows(inter + 2 * tp + tok_k, t0, seq_len, HV * K, 0, K, C, BK)
+    dAqk = load_rows(dA2 + tok_c, t0, seq_len, HV * C, 0, C, C, C)
+    dAkk = load_rows(dA2 + A_PLANE.to(tl.int64) + tok_c, t0, seq_len, HV * C, 0, C, C, C)
+    # pairwise terms: x dx - y dy of each pairwise matrix into the decay gradient (its i = j terms cancel
+    # exactly and are left out)
+    dkn, dky, dG = _pairwise_bwd(dAkk, kn, kn, G, dkn, tl.zeros_like(dkn), dG, k_base, k_base, rk, rk, g_base,
+                                 bias_ptr, t0, seq_len, H * K, HV * K, K, expA, lower_bound, stride_bias, C, SUBC,
+                                 BK, BKS, GATE, HAS_BIAS, SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
     dkn += dky
-    dqn, dkn, dG = _pairwise_bwd(dAqk, qn, kn, G, dqn, dkn, dG, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len,
-                                 H * K, HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS,
-                                 SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
+    dqn, dkn, dG = _pairwise_bwd(dAqk, qn, kn, G, dqn, dkn, dG, q_base, k_base, rq, rk, g_base, bias_ptr, t0,
+                                 seq_len, H * K, HV * K, K, expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE,
+                                 HAS_BIAS, SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
+    dgc = tl.load(dgc_buf + (i_t * HV + i_hv) * K + cols, mask=cols < K, other=0.0)
     da = tl.where(real[:, None], tl.cumsum(dG, axis=0, reverse=True) + dgc[None, :], 0.0)
+    # the gate's input and output again (not held across the pairwise terms)
+    x = gate_preact(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, stride_bias, C, BK, HAS_BIAS)  # [C, BK]
+    a = gate_from_preact(x, t0, seq_len, 0, K, expA, lower_bound, C, BK, GATE)
     dx, dlog = gate_bwd(da, x, a, expA, lower_bound, GATE)
     store_rows(dg + tok_k, dx, t0, seq_len, HV * K, 0, K, C, BK)
     if HAS_A_LOG:
@@ -452,6 +498,8 @@ def _value_head_grads(
     if HAS_BIAS:
         tl.store(dbias_part + (i_t * HV + i_hv) * K + cols, tl.sum(dx, axis=0), mask=cols < K)
     r_b = (bos + t0 + rows).to(tl.int64)
+    _, braw = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)
+    db = tl.load(db_buf + r_b * HV + i_hv, mask=real, other=0.0)
     tl.store(dbeta + r_b * HV + i_hv, beta_bwd(db, braw, BETA_SIGMOID, NEG_EIGVAL).to(dbeta.dtype.element_ty),
              mask=real)
     # the diagonal of Aqk (exp(0) = 1): Aqk_ii = q_i . k_i
@@ -460,41 +508,40 @@ def _value_head_grads(
 
 
 @triton.jit
-def chunk_kda_bwd_grads_kernel(
-    q, k, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs,
-    dq, dk, dv, dg, dbeta, dA_part, dbias_part, cu_seqlens, chunk_table,
-    scale, lower_bound, T, H, HV, NTS, stride_alog, stride_bias,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BVS: tl.constexpr, BKS: tl.constexpr, GROUP: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
-    SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+def chunk_kda_bwd_pair_grads_kernel(
+    q, k, g, beta, A_log, dt_bias, inter, dA2, db_buf, dgc_buf, dq, dk, dg, dbeta, dA_part, dbias_part,
+    cu_seqlens, chunk_table, lower_bound, T, H, HV, NTS, stride_alog, stride_bias, TOK_PLANE, A_PLANE,
+    K: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, GROUP: tl.constexpr,
+    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    """Kernel 3b, grid ``(chunks, H)``: from kernel 3a's intermediates, the pairwise terms and every token
+    transform's gradient; a group of HV/H value heads shares its q/k head (dq, dk summed here, written once)."""
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
     q_base = q + (bos * H + i_h) * K
     k_base = k + (bos * H + i_h) * K
+    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)  # [C, BK], [C]
+    kn, rk = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
     if GROUP == 1:
-        dqn, dkn = _value_head_grads(
-            q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs, dv, dg, dbeta,
-            dA_part, dbias_part, i_t, i_h, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
-            K, V, C, SUBC, BK, BV, BVS, BKS, GATE, HAS_A_LOG, HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL, SAFE,
+        dqn, dkn = _pair_head_grads(
+            q_base, k_base, qn, rq, kn, rk, g, beta, A_log, dt_bias, inter, dA2, db_buf, dgc_buf, dg, dbeta,
+            dA_part, dbias_part, i_t, i_h, bos, seq_len, t0, lower_bound, H, HV, stride_alog, stride_bias,
+            TOK_PLANE, A_PLANE, K, C, SUBC, BK, BKS, GATE, HAS_A_LOG, HAS_BIAS, BETA_SIGMOID, NEG_EIGVAL, SAFE,
             OP_BF16, EMULATE_BF16, DOT_PREC)
     else:
-        # grouped value heads share this q/k head: their dq, dk are summed here, written once
         dqn = tl.zeros([C, BK], dtype=tl.float32)
         dkn = tl.zeros([C, BK], dtype=tl.float32)
         for j in range(GROUP):
-            dqj, dkj = _value_head_grads(
-                q_base, k_base, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs, dv, dg, dbeta,
-                dA_part, dbias_part, i_t, i_h * GROUP + j, bos, seq_len, t0, scale, lower_bound, H, HV, stride_alog, stride_bias,
-                K, V, C, SUBC, BK, BV, BVS, BKS, GATE, HAS_A_LOG, HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL,
-                SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
+            dqj, dkj = _pair_head_grads(
+                q_base, k_base, qn, rq, kn, rk, g, beta, A_log, dt_bias, inter, dA2, db_buf, dgc_buf, dg, dbeta,
+                dA_part, dbias_part, i_t, i_h * GROUP + j, bos, seq_len, t0, lower_bound, H, HV, stride_alog,
+                stride_bias, TOK_PLANE, A_PLANE, K, C, SUBC, BK, BKS, GATE, HAS_A_LOG, HAS_BIAS, BETA_SIGMOID,
+                NEG_EIGVAL, SAFE, OP_BF16, EMULATE_BF16, DOT_PREC)
             dqn += dqj
             dkn += dkj
-    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
-    kn, rk = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
     store_rows(dq + (bos * H + i_h) * K, l2norm_bwd(dqn, qn, rq, USE_L2NORM), t0, seq_len, H * K, 0, K, C, BK)
     store_rows(dk + (bos * H + i_h) * K, l2norm_bwd(dkn, kn, rk, USE_L2NORM), t0, seq_len, H * K, 0, K, C, BK)
 
@@ -640,15 +687,26 @@ def chunk_kda_bwd64(
             NEG_EIGVAL=common["NEG_EIGVAL"], IS_VARLEN=varlen, OP_BF16=op_bf16, EMULATE_BF16=emulate, DOT_PREC=prec,
             num_warps=STATES_NUM_WARPS, num_stages=1,
         )
-    if NT * H > 0:
-        chunk_kda_bwd_grads_kernel[(NT, H)](
+    if NT * HV > 0:
+        inter = torch.empty((3, B, T, HV, K), dtype=f32, device=dev)
+        dA2 = torch.empty((2, B, T, HV, C), dtype=f32, device=dev)
+        db_buf = torch.empty((B, T, HV), dtype=f32, device=dev)
+        dgc_buf = torch.empty((NT, HV, K), dtype=f32, device=dev)
+        planes = dict(TOK_PLANE=B * T * HV * K, A_PLANE=B * T * HV * C)
+        chunk_kda_bwd_state_grads_kernel[(NT, HV)](
             q, k, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs,
-            dq, dk, dv, dg, dbeta, dA_part, dbias_part, cu_seqlens, pairs,
-            float(scale), lb, T, H, HV, NTS, stride_alog, stride_bias,
-            K=K, V=V, C=C, SUBC=SUB, BK=BK, BV=BV, BVS=min(GRADS_BLOCK_V, BV), BKS=min(EXACT_KEY_SLICE, BK),
-            GROUP=HV // H, SAFE=safe, **common,
+            dv, inter, dA2, db_buf, dgc_buf, cu_seqlens, pairs,
+            float(scale), lb, T, H, HV, NTS, stride_alog, stride_bias, planes["TOK_PLANE"], planes["A_PLANE"],
+            K=K, V=V, C=C, BK=BK, BV=BV, BVS=min(GRADS_BLOCK_V, BV), **common,
             num_warps=GRADS_NUM_WARPS, num_stages=1,
         )
+        chunk_kda_bwd_pair_grads_kernel[(NT, H)](
+            q, k, g, beta, A_log, dt_bias, inter, dA2, db_buf, dgc_buf, dq, dk, dg, dbeta, dA_part, dbias_part,
+            cu_seqlens, pairs, lb, T, H, HV, NTS, stride_alog, stride_bias, planes["TOK_PLANE"], planes["A_PLANE"],
+            K=K, C=C, SUBC=SUB, BK=BK, BKS=min(EXACT_KEY_SLICE, BK), GROUP=HV // H, SAFE=safe, **common,
+            num_warps=PAIR_NUM_WARPS, num_stages=1,
+        )
+        del inter, dA2, db_buf, dgc_buf
     del tinv, aqk, akk, w, kd, egc, hs, dhs, pairs, firsts
 
     dA_log = ddt_bias = None
