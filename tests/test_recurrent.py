@@ -38,14 +38,20 @@ def _as_float64(inp):
 
 
 def _check_against_naive(inp, ratio=FP32_RATIO, **extra):
-    got = run_kda(fused_recurrent_kda, inp, seed=SEED, **extra)
-    ref = run_kda(naive_recurrent_kda, _as_float64(inp), seed=SEED, **extra)
+    got = run_kda(fused_recurrent_kda, inp, seed=SEED, **extra)  # extra: options of the kernels only
+    ref = run_kda(naive_recurrent_kda, _as_float64(inp), seed=SEED)
     assert set(got) == set(ref)
     for name, r in ref.items():
         if r is None:
             assert got[name] is None, name
             continue
-        assert got[name].dtype == (inp["tensors"][name[1:]].dtype if name.startswith("d") else got[name].dtype)
+        if name.startswith("d"):
+            want = inp["tensors"][name[1:]].dtype
+        elif name == "o":
+            want = inp["tensors"]["v"].dtype
+        else:  # the final state: fp32, float64 for float64 inputs
+            want = torch.float64 if inp["tensors"]["q"].dtype == torch.float64 else torch.float32
+        assert got[name].dtype == want, f"{name}: {got[name].dtype}, expected {want}"
         assert_close(name, r, got[name], ratio)
     return got
 
@@ -400,3 +406,19 @@ def test_segment_tokens_is_checked(triton_backend, bad, exc):
     t, kw = _small()
     with pytest.raises(exc, match="^segment_tokens must be"):
         _fwd(t, kw, segment_tokens=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_path_returns_o_in_the_input_dtype(dtype):
+    # the PyTorch path used to return fp32 o for 16-bit inputs (the Triton path returns v's dtype)
+    inp = make_kda_inputs(T=9, H=2, K=16, V=16, dtype=dtype, gate="safe", initial_state="kv")
+    o, ht = fused_recurrent_kda(**inp["tensors"], **inp["kwargs"])
+    assert o.dtype == dtype and ht.dtype == torch.float32
+    ref, _ = naive_recurrent_kda(**{n: x.detach().double() for n, x in inp["tensors"].items()}, **inp["kwargs"])
+    assert_close("o", ref, o, 0.005)
+
+
+def test_naive_rejects_unknown_arguments():
+    inp = make_kda_inputs(T=4, H=1, K=16, V=16, dtype=torch.float64, gate="safe")
+    with pytest.raises(TypeError):
+        naive_recurrent_kda(**inp["tensors"], **inp["kwargs"], use_qk_l2norm=True)

@@ -1,9 +1,9 @@
 """PyTorch twin of the Triton chunk backward: one chunk's forward and backward, written out by hand.
 
-This file is the executable form of the backward math in ``notes/chunk_design.md`` and the
-algorithm the Triton kernel in ``chunk_bwd.py`` runs, in float64 (or whatever dtype it is
-given), so the derivation can be checked against ``torch.autograd`` of the token-by-token
-definition before any kernel is trusted.
+This file is the executable form of the backward math written out below and of the algorithm
+the windowed Triton backward (``chunk_bwd.py``, ``chunk_bwd_windowed.py``) runs, in float64 (or
+whatever dtype it is given), so the derivation can be checked against ``torch.autograd`` of the
+token-by-token definition before any kernel is trusted.
 
 One chunk of ``C`` rows of one value head (rows past the sequence end are padding: ``q = k = 0``,
 ``a = 0``, ``beta = 0``, which makes them identity steps)::

@@ -31,14 +31,16 @@ def naive_recurrent_kda(
     use_gate_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
     lower_bound: float | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    **_ignored,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token KDA with ``chunk_kda``'s arguments (SPEC §2). No validation.
+    """Token-by-token KDA with ``chunk_kda``'s arguments (SPEC §2). No validation; an unknown argument is
+    a TypeError. ``safe_gate`` is accepted for signature parity and changes nothing: the definition is
+    exact for any gate.
 
     Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``;
     beta ``[B, T, HV]``; initial_state ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
@@ -50,6 +52,7 @@ def naive_recurrent_kda(
     G = HV // H
     if scale is None:
         scale = K ** -0.5
+    out_dtype = v.dtype
     dt = compute_dtype(q, k, v, g, beta)
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
@@ -85,6 +88,6 @@ def naive_recurrent_kda(
         o = torch.stack(outs, 0)
     else:
         o = v.new_zeros(0, HV, V)
-    o = o.reshape(B, T, HV, V).to(v.dtype)
+    o = o.reshape(B, T, HV, V).to(out_dtype)
     final = torch.stack(finals, 0) if output_final_state else None
     return o, final
