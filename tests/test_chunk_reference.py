@@ -172,3 +172,20 @@ def test_state_pool_prefill_then_decode_share_one_cache():
     o_ref, _ = naive_recurrent_kda(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"], A_log=t["A_log"].double(),
                                    dt_bias=t["dt_bias"].double(), initial_state=before[[2]].double(), **kw)
     assert_close("decode after prefill", o_ref[:, 10:], o_dec, 1e-5)
+
+
+@pytest.mark.parametrize("gate,value", [("none", float("-inf")), ("softplus", float("inf"))])
+def test_infinite_decay_is_finite_like_the_recurrent_path(gate, value):
+    # -inf log-decay (or +inf raw softplus gate) forgets everything at once; it gave NaN here and finite
+    # results on the recurrent path
+    from kdakit import chunk_kda, fused_recurrent_kda
+
+    inp = make_kda_inputs(T=20, H=1, K=16, V=16, dtype=torch.float64, gate=gate, initial_state="kv")
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    t["g"] = t["g"].clone()
+    t["g"][0, 5] = value
+    o, ht = chunk_kda(**t, **inp["kwargs"])
+    ro, rht = fused_recurrent_kda(**t, **inp["kwargs"])
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert_close("o", ro, o, 1e-10)
+    assert_close("final_state", rht, ht, 1e-10)

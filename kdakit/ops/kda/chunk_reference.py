@@ -77,12 +77,18 @@ def sequence_index(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: 
     return idx.to(device), valid.to(device)
 
 
+LOG_DECAY_FLOOR = -1e4
+
+
 def _chunk_step(qc, kc, vc, ac, bc, S, scale):
     """One chunk for all sequences and heads. Shapes: qc, kc, ac [N, HV, C, K]; vc [N, HV, C, V];
     bc [N, HV, C]; S [N, HV, K, V]. Returns (O [N, HV, C, V], S_next)."""
     dt = qc.dtype
     C = qc.shape[-2]
-    G64 = ac.to(torch.float64).cumsum(-2)                                  # [N, HV, C, K]
+    # A log-decay of -inf (or a raw gate of +inf under softplus) would make G_i - G_j = -inf - -inf = NaN;
+    # exp(-1e4) is already 0 in float64, so flooring there changes no finite result (the Triton kernels
+    # floor at -110, below float32's smallest denormal, for the same reason).
+    G64 = ac.to(torch.float64).clamp(min=LOG_DECAY_FLOOR).cumsum(-2)       # [N, HV, C, K]
     diff = G64[..., :, None, :] - G64[..., None, :, :]                     # [N, HV, C, C, K]
     incl = torch.ones(C, C, dtype=torch.bool, device=qc.device).tril()
     diff = diff.masked_fill(~incl[:, :, None], float("-inf"))
