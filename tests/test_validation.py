@@ -72,7 +72,7 @@ CASES = {
                           lambda t, kw: t.update(k=torch.empty(t["k"].shape, dtype=t["k"].dtype, device="meta"))),
     "fla-only option": (ValueError, r"^disable_recompute is an FLA option", lambda t, kw: kw.update(disable_recompute=True)),
     "bad chunk size": (ValueError, r"^chunk_size must be 16, 32 or 64, got 48", lambda t, kw: kw.update(chunk_size=48)),
-    "bad checkpoint cadence": (ValueError, r"^checkpoint_every_n_tokens must be a positive int",
+    "bad checkpoint cadence": (ValueError, r"^checkpoint_every_n_tokens must be a positive multiple of 16",
                                lambda t, kw: kw.update(checkpoint_every_n_tokens=0)),
     "initial_state dtype": (TypeError, r"^initial_state must have dtype",
                             lambda t, kw: t.update(initial_state=torch.zeros(1, 4, 8, 8, dtype=torch.float16) + 1)),
@@ -225,3 +225,45 @@ def test_strided_gate_parameter_is_refused(monkeypatch, backend, name):
     assert torch.equal(t[name], dense) and t[name].stride(0) == 2
     with pytest.raises(ValueError, match=f"{name} must be a dense vector"):
         chunk_kda(**t, **inp["kwargs"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_checkpoint_cadence_and_chunk_size_rules_are_the_same_on_both_backends(monkeypatch, backend):
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    inp = make_kda_inputs(T=40, H=1, K=16, V=16, dtype=torch.float32, gate="safe")
+    with pytest.raises(ValueError, match="checkpoint_every_n_tokens must be a positive multiple of 16"):
+        chunk_kda(**inp["tensors"], **inp["kwargs"], checkpoint_every_n_tokens=20)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        chunk_kda(**inp["tensors"], **inp["kwargs"], chunk_size=32, checkpoint_every_n_tokens=48)
+
+
+def test_chunk_size_is_refused_on_the_triton_path(monkeypatch):
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    inp = make_kda_inputs(T=40, H=1, K=16, V=16, dtype=torch.float32, gate="safe")
+    with pytest.raises(ValueError, match="Triton kernels use 16-token chunks"):
+        chunk_kda(**inp["tensors"], **inp["kwargs"], chunk_size=32)
+
+
+@pytest.mark.parametrize("op", ["chunk", "recurrent"])
+def test_transpose_state_layout_is_the_deprecated_state_v_first(op):
+    from kdakit import fused_recurrent_kda
+
+    fn = chunk_kda if op == "chunk" else fused_recurrent_kda
+    inp = make_kda_inputs(T=20, H=1, K=16, V=16, dtype=torch.float64, gate="safe", initial_state="vk")
+    kw = dict(inp["kwargs"])
+    kw.pop("state_v_first")
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    ref_o, ref_s = fn(**t, **kw, state_v_first=True)
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        o, s = fn(**t, **kw, transpose_state_layout=True)
+    assert torch.equal(o, ref_o) and torch.equal(s, ref_s)
+
+
+def test_plan_refuses_shapes_the_kernels_reject():
+    from kdakit import plan_kda
+
+    with pytest.raises(ValueError, match="B and T must be >= 0"):
+        plan_kda(B=1, T=-5, H=1, K=16)
+    with pytest.raises(ValueError, match="K, V <= 128"):
+        plan_kda(B=1, T=10, H=1, K=256)
+    assert plan_kda(B=1, T=10, H=1, K=256, backend="torch").K == 256

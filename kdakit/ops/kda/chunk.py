@@ -13,6 +13,8 @@ its range against the pool (one device->host copy per call on that path).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from kdakit.ops.kda.backend import select_backend
@@ -58,6 +60,7 @@ def chunk_kda(
     chunk_size: int | None = None,
     checkpoint_every_n_tokens: int | None = None,
     state_indices: torch.Tensor | None = None,
+    transpose_state_layout: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Kimi Delta Attention, chunked, with FLA 0.6.0's arguments and semantics.
 
@@ -90,10 +93,13 @@ def chunk_kda(
     kdakit-only keyword arguments:
         A_log: ``[HV]`` fp32 gate parameter (FLA passes it through ``**kwargs``).
         dt_bias: ``[HV * K]`` fp32 gate bias.
-        chunk_size: chunk length of the PyTorch path (default 16); the Triton path always
-            uses 16. The result does not depend on it beyond round-off.
-        checkpoint_every_n_tokens: cadence of the state checkpoints saved for backward;
-            None lets the plan choose (see ``kdakit.plan_kda``).
+        chunk_size: chunk length of the PyTorch path (16, 32 or 64; default 16). The Triton
+            kernels use 16-token chunks and raise for another value. The result does not
+            depend on it beyond round-off.
+        checkpoint_every_n_tokens: cadence of the state checkpoints saved for backward, a
+            positive multiple of 16 (and of ``chunk_size``); None lets the plan choose (see
+            ``kdakit.plan_kda``).
+        transpose_state_layout: FLA's deprecated name of ``state_v_first`` (warns).
         state_indices: int32 ``[N]`` rows of a state pool. With it, ``initial_state`` is the
             pool ``[P, HV, ...]``; row ``state_indices[n]`` is sequence n's initial state and
             receives its final state in place; ``-1`` marks a padded sequence (zero output,
@@ -110,11 +116,19 @@ def chunk_kda(
     for name, default in _UNSUPPORTED_FLA_OPTIONS.items():
         if fla_opts[name] != default:
             raise ValueError(f"{name} is an FLA option kdakit does not implement: expected {default!r}, got {fla_opts[name]!r}")
+    if transpose_state_layout is not None:
+        warnings.warn("transpose_state_layout is deprecated; use state_v_first", DeprecationWarning, stacklevel=2)
+        if state_v_first:
+            raise ValueError("pass state_v_first or its old name transpose_state_layout, not both")
+        state_v_first = bool(transpose_state_layout)
     if chunk_size is not None and chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
     if checkpoint_every_n_tokens is not None:
-        if not isinstance(checkpoint_every_n_tokens, int) or checkpoint_every_n_tokens <= 0:
-            raise ValueError(f"checkpoint_every_n_tokens must be a positive int or None, got {checkpoint_every_n_tokens!r}")
+        unit = max(16, chunk_size or 16)
+        if isinstance(checkpoint_every_n_tokens, bool) or not isinstance(checkpoint_every_n_tokens, int) \
+                or checkpoint_every_n_tokens <= 0 or checkpoint_every_n_tokens % unit:
+            raise ValueError(f"checkpoint_every_n_tokens must be a positive multiple of {unit} or None, "
+                             f"got {checkpoint_every_n_tokens!r}")
 
     pool = padded = None
     if state_indices is not None:
@@ -143,6 +157,9 @@ def chunk_kda(
         checkpoint_every_n_tokens=checkpoint_every_n_tokens,
     )
     backend = select_backend(q.device)
+    if backend == "triton" and chunk_size not in (None, 16):
+        raise ValueError(f"chunk_size={chunk_size} is for the PyTorch path; the Triton kernels use 16-token chunks "
+                         "(pass None or 16)")
     if backend == "triton":
         from kdakit.ops.kda.chunk_triton import chunk_kda_triton
 

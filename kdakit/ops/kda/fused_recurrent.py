@@ -27,6 +27,8 @@ functions shared by the backward and the decode kernels.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -378,6 +380,7 @@ def fused_recurrent_kda(
         the PyTorch path for float64 inputs) or None.
     """
     if "transpose_state_layout" in kwargs:
+        warnings.warn("transpose_state_layout is deprecated; use state_v_first", DeprecationWarning, stacklevel=2)
         if state_v_first:
             raise ValueError("pass state_v_first or its old name transpose_state_layout, not both")
         state_v_first = bool(kwargs.pop("transpose_state_layout"))

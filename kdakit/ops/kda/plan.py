@@ -306,8 +306,15 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
         B, T = 1, total
     else:
         B, T = int(B), int(T)
+        if B < 0 or T < 0:
+            raise ValueError(f"B and T must be >= 0, got B={B}, T={T}")
         lengths = [T] * B
     N = len(lengths)
+    if backend == "triton" and (K > 128 or V > 128):
+        raise ValueError(f"the Triton kernels support K, V <= 128, got K={K}, V={V} (plan_kda(backend='torch') "
+                         "prices the PyTorch path)")
+    if min(H, HV, K, V) <= 0:
+        raise ValueError(f"H, HV, K and V must be positive, got H={H}, HV={HV}, K={K}, V={V}")
 
     L = default_checkpoint_tokens(max(lengths, default=0)) if checkpoint_every_n_tokens is None else checkpoint_every_n_tokens
     _check_cadence(L)
