@@ -482,7 +482,7 @@ def run_cell(args, say) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kdakit.memory.measure_worker",
-                                description="one backend x shape cell of the SPEC §3 memory protocol "
+                                description="one backend x shape cell of the memory protocol (docs/memory.md) "
                                             "(or several cells in one process with --cells)")
     p.add_argument("--backend", required=True, choices=["kdakit", "fla", "reference"])
     p.add_argument("--mbs", type=int)
@@ -490,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, help="q/k heads H")
     p.add_argument("--value-heads", type=int, default=None, help="value heads HV, a multiple of H (default H)")
     p.add_argument("--gate", choices=GATES, default="safe",
-                   help="safe: lower_bound -5 * sigmoid (SPEC §3); softplus: the unbounded gate, "
+                   help="safe: lower_bound -5 * sigmoid (the protocol's gate); softplus: the unbounded gate, "
                         "safe_gate=False, lower_bound=None")
     p.add_argument("--cells", default=None,
                    help="MBSxSEQ:H[/HV][:gate],... run in this one process, one after the other "

@@ -23,7 +23,7 @@ class CommandError(Exception):
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("call options (defaults: the SPEC §3 protocol)")
+    g = p.add_argument_group("call options (defaults: the memory protocol of docs/memory.md)")
     g.add_argument("--head-dim", type=int, default=128, help="K (and V unless --value-dim), default 128")
     g.add_argument("--value-dim", type=int, default=None, help="V, default = --head-dim")
     g.add_argument("--qk-heads", type=int, default=None, help="q/k heads H (GVA: HEADS is HV), default = HEADS")
@@ -203,12 +203,12 @@ def _run(func):
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add ``mem`` (with ``measure``, ``model``, ``plot``) to a ``kdakit`` subparsers object."""
-    mem = subparsers.add_parser("mem", help="measure, model and plot KDA training memory (SPEC §3)",
+    mem = subparsers.add_parser("mem", help="measure, model and plot KDA training memory (protocol: docs/memory.md)",
                                 description="Peak memory of one KDA forward+backward step: measured, modelled, drawn.")
     sub = mem.add_subparsers(dest="mem_command", metavar="SUBCOMMAND")
     sub.required = True
 
-    m = sub.add_parser("measure", help="measure peaks by the SPEC §3 protocol (one fresh process per cell, CUDA)")
+    m = sub.add_parser("measure", help="measure peaks by the memory protocol of docs/memory.md (one fresh process per cell, CUDA)")
     m.add_argument("--backends", default="kdakit,fla", help="comma list of kdakit, fla, reference (default kdakit,fla)")
     m.add_argument("--shapes", default=SPEC_SHAPES, help=f"comma list of MBSxSEQ:HEADS (default {SPEC_SHAPES})")
     m.add_argument("--json", action="store_true", help="print one JSON object per cell as it finishes")

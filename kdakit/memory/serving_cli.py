@@ -115,7 +115,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve-mem`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
     p = subparsers.add_parser(
         "serve-mem",
-        help="active attention-state memory of a KDA/MLA hybrid vs an all-MLA model (SPEC §6)",
+        help="active attention-state memory of a KDA/MLA hybrid vs an all-MLA model (docs/memory.md)",
         description=(
             "Estimate the active attention state of a KDA/MLA hybrid when serving, against an all-MLA "
             "model with the same layer count: M_MLA, M_hybrid, their ratio, the crossover context "
@@ -287,7 +287,7 @@ def format_table(est: ServingEstimate) -> str:
                                                         f"all-MLA {_tokens(est.max_context_mla)}"),
         ]
     width = max(len(name) for name, _ in rows)
-    lines = ["kdakit serve-mem: active attention-state memory, KDA/MLA hybrid vs all-MLA (SPEC §6)"]
+    lines = ["kdakit serve-mem: active attention-state memory, KDA/MLA hybrid vs all-MLA (docs/memory.md)"]
     lines += [f"{name:<{width}}  {value}".rstrip() for name, value in rows]
     lines += ["", f"scope: {SCOPE_NOTE}.", f"tp: {TP_NOTE}."]
     return "\n".join(lines)

@@ -10,6 +10,9 @@ once (ptxas: 255 registers, 3 KB and 20 KB of spill code). The gradients are now
 It keeps per-chunk buffers (states, state gradients, W, kd, Aqk, Akk, the inverse: about 1.9 KB per token
 and value head in bf16) and the split's fp32 intermediates (about 2 KB more), so it is far above the
 memory target: it is the verified reference of the 64-token math for the next design, not a product path.
+Without a bounded gate (the EXACT diagonal blocks, e.g. the softplus gate) its gradient kernel did not finish
+compiling for sm_90a in 20 minutes on the 2-core CPU machine, nor its accuracy check in ~8 minutes on the
+H200: on a GPU, use it with the safe gate only.
 
 Per chunk of C = 64 tokens (``chunk_tiles.py`` for the sub-chunk numerics), with S the state entering
 the chunk and dS' the state gradient leaving it::
