@@ -1,4 +1,4 @@
-"""Build the chunk backward's Triton kernels for sm_90a without a GPU and print registers and spills.
+"""Build the 64-token pipeline's Triton kernels for sm_90a without a GPU and print registers and spills.
 
 Usage: python benchmarks/compile_sm90.py [--warps-grads N] [--warps-states N] [--warps-prep N]
 (no TRITON_INTERPRET). The SPEC §3 flags at K = V = 128, bf16: what the H200 will run.
@@ -14,10 +14,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import kdakit.ops.kda.chunk_bwd64 as M
+import kdakit.ops.kda.chunk_fwd64 as F
+import kdakit.ops.kda.chunk_prep64 as P
 
-TOK = {"q", "k", "v", "g", "beta", "do", "dq", "dk", "dv", "dg", "dbeta", "tinv", "hs", "dhs", "w", "kd", "aqk", "akk"}
+TOK = {"q", "k", "v", "g", "beta", "do", "o", "dq", "dk", "dv", "dg", "dbeta", "tinv", "hs", "dhs", "w", "kd", "aqk",
+       "akk", "qg"}
 F32_EXTRA = {"inter", "dA2", "db_buf", "dgc_buf"}
-F32 = {"A_log", "dt_bias", "dA_part", "dbias_part", "h0", "dht", "dh0", "egc"}
+F32 = {"A_log", "dt_bias", "dA_part", "dbias_part", "h0", "ht", "dht", "dh0", "egc"}
 
 
 def build(fn, const, warps):
@@ -59,9 +62,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--warps-grads", type=int, default=M.GRADS_NUM_WARPS)
     ap.add_argument("--warps-states", type=int, default=M.STATES_NUM_WARPS)
-    ap.add_argument("--warps-prep", type=int, default=M.PREP_NUM_WARPS)
+    ap.add_argument("--warps-prep", type=int, default=P.PREP_NUM_WARPS)
     ap.add_argument("--safe", type=int, default=1)
-    ap.add_argument("--only", default="prep,states,grads,pair")
+    ap.add_argument("--only", default="prep,states,grads,pair,fwd")
     ap.add_argument("--warps-pair", type=int, default=M.PAIR_NUM_WARPS)
     ap.add_argument("--states-bv", type=int, default=M.STATES_BLOCK_V)
     a = ap.parse_args()
@@ -69,12 +72,18 @@ def main():
              NEG_EIGVAL=False, IS_VARLEN=True, OP_BF16=True, EMULATE_BF16=False, DOT_PREC="tf32")
     only = a.only.split(",")
     if "prep" in only:
-        build(M.chunk_kda_bwd_prep_kernel, dict(c, SUBC=16, BK=128, BV=128, BKS=16, SAFE=bool(a.safe)), a.warps_prep)
+        build(P.chunk_kda_prep64_kernel, dict(c, SUBC=16, BK=128, BV=128, BKS=16, SAFE=bool(a.safe),
+                                              FOR_BACKWARD=True), a.warps_prep)
     if "states" in only:
         sc = {n: c[n] for n in ("K", "V", "C", "BETA_SIGMOID", "NEG_EIGVAL", "IS_VARLEN", "OP_BF16", "EMULATE_BF16",
                                 "DOT_PREC")}
         build(M.chunk_kda_bwd_states_kernel, dict(sc, BK=128, BV=a.states_bv, HAS_H0=False, HAS_DHT=False,
                                                   STORE_DH0=False, LOOP_WHILE=False), a.warps_states)
+    if "fwd" in only:
+        fc = {n: c[n] for n in ("K", "V", "C", "BETA_SIGMOID", "NEG_EIGVAL", "IS_VARLEN", "OP_BF16", "EMULATE_BF16",
+                                "DOT_PREC")}
+        build(F.chunk_kda_fwd64_state_kernel, dict(fc, BK=128, BV=F.STATE_BLOCK_V, HAS_H0=False, STORE_HT=False,
+                                                    LOOP_WHILE=False), F.STATE_NUM_WARPS)
     if "grads" in only:
         gc = {n: c[n] for n in c if n != "SAFE"}
         build(M.chunk_kda_bwd_state_grads_kernel, dict(gc, BK=128, BV=128, BVS=M.GRADS_BLOCK_V), a.warps_grads)

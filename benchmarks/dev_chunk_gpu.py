@@ -1,4 +1,4 @@
-"""Development check of the experimental 64-token backward (KDAKIT_CHUNK_BACKWARD=chunk64) on the GPU: accuracy against the float64 chunked
+"""Development check of the experimental 64-token backward (KDAKIT_CHUNK_PIPELINE=chunk64) on the GPU: accuracy against the float64 chunked
 reference at real head sizes, then per-kernel CUDA times and step times at one shape, for a few
 launch configurations of the backward.
 
@@ -106,7 +106,7 @@ def main():
     a = ap.parse_args()
     import kdakit.ops.kda.chunk_bwd64 as M
 
-    os.environ.setdefault("KDAKIT_CHUNK_BACKWARD", "chunk64")
+    os.environ.setdefault("KDAKIT_CHUNK_PIPELINE", "chunk64")
 
     res = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("KDAKIT_GIT_SHA", "unknown")}
 

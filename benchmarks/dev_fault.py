@@ -6,7 +6,7 @@ import sys
 
 CHILD = r"""
 import os, sys, torch
-os.environ["KDAKIT_CHUNK_BACKWARD"] = "chunk64"
+os.environ["KDAKIT_CHUNK_PIPELINE"] = "chunk64"
 import kdakit.ops.kda.chunk_bwd64 as M
 for item in filter(None, sys.argv[1].split(",")):
     n, v = item.split("=")

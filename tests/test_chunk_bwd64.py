@@ -1,5 +1,5 @@
-"""CPU tier of the experimental 64-token chunk backward (``KDAKIT_CHUNK_BACKWARD=chunk64``,
-``kdakit/ops/kda/chunk_bwd64.py``) on the Triton interpreter: the public chunk_kda's gradients
+"""CPU tier of the experimental 64-token chunk pipeline (``KDAKIT_CHUNK_PIPELINE=chunk64``: ``chunk_prep64.py``,
+``chunk_fwd64.py``, ``chunk_bwd64.py``) on the Triton interpreter: the public chunk_kda's outputs and gradients
 against the float64 naive definition over the option matrix (fp32: round-off only), sequences
 that span several 64-token chunks, several V blocks, GVA, both state layouts; bf16 within the
 SPEC limits; the selector's error."""
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kdakit.ops.kda.chunk_bwd64 as B64
+import kdakit.ops.kda.chunk_fwd64 as F64
 from kdakit import chunk_kda
 from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.testing import SPEC_RMS_LIMITS, compare_with_naive, make_kda_inputs
@@ -20,7 +21,7 @@ FP32_LIMIT = 5e-5
 @pytest.fixture(autouse=True)
 def _chunk64(monkeypatch):
     monkeypatch.setenv("KDAKIT_BACKEND", "triton")
-    monkeypatch.setenv("KDAKIT_CHUNK_BACKWARD", "chunk64")
+    monkeypatch.setenv("KDAKIT_CHUNK_PIPELINE", "chunk64")
 
 
 def _compare(inp, limit=FP32_LIMIT, **extra):
@@ -49,9 +50,10 @@ def test_options_match_naive(gate, l2norm, beta_mode):
 
 
 def test_gva_value_first_state_several_v_blocks(monkeypatch):
-    # V = 48 in 16-column steps of the gradient kernel and the serial passes; 2 value heads per q/k head
+    # V = 48 in 16-column steps of the gradient kernel, the serial passes and the forward; 2 value heads per q/k head
     monkeypatch.setattr(B64, "GRADS_BLOCK_V", 16)
     monkeypatch.setattr(B64, "STATES_BLOCK_V", 16)
+    monkeypatch.setattr(F64, "STATE_BLOCK_V", 16)
     gen = torch.Generator().manual_seed(3)
     inp = make_kda_inputs(T=140, H=1, HV=2, K=32, V=48, dtype=torch.float32, gate="safe", seqlens=[70, 70],
                           initial_state="vk", generator=gen)
@@ -73,8 +75,8 @@ def test_bf16_within_spec_limits():
     compare_with_naive(chunk_kda, inp, SPEC_RMS_LIMITS)
 
 
-def test_unknown_chunk_backward_raises(monkeypatch):
-    monkeypatch.setenv("KDAKIT_CHUNK_BACKWARD", "fast")
+def test_unknown_chunk_pipeline_raises(monkeypatch):
+    monkeypatch.setenv("KDAKIT_CHUNK_PIPELINE", "fast")
     inp = make_kda_inputs(T=20, H=1, K=16, V=16, dtype=torch.float32, gate="safe")
-    with pytest.raises(ValueError, match="KDAKIT_CHUNK_BACKWARD must be one of"):
+    with pytest.raises(ValueError, match="KDAKIT_CHUNK_PIPELINE must be one of"):
         chunk_kda(**inp["tensors"], **inp["kwargs"])

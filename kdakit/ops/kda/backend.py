@@ -14,11 +14,12 @@ import os
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
-# The Triton chunk backward: ``windowed`` (default: 16-token chunks from the forward's sparse
-# checkpoints, within 1.10x of the memory floor) or ``chunk64`` (experimental: 64-token chunks,
-# whole-sequence passes; on the H200 as fast as the default but with per-chunk state and operand
-# buffers of about 1.9 KB per token and value head; see docs/perf_notes.md).
-CHUNK_BACKWARDS = ("windowed", "chunk64")
+# The Triton chunk pipeline (``KDAKIT_CHUNK_PIPELINE``): ``windowed`` (default: 16-token forward saving sparse
+# checkpoints, windowed backward, within 1.10x of the memory floor) or ``chunk64`` (experimental: 64-token
+# forward and backward with whole-sequence passes; its backward measured on the H200 as fast as the windowed
+# one was before the bf16 products, with per-chunk buffers of about 4 KB per token and value head; see
+# docs/perf_notes.md).
+CHUNK_PIPELINES = ("windowed", "chunk64")
 
 
 def requested_backend() -> str:
@@ -28,11 +29,11 @@ def requested_backend() -> str:
     return value
 
 
-def requested_chunk_backward() -> str:
-    """``KDAKIT_CHUNK_BACKWARD`` (see CHUNK_BACKWARDS); an unknown value raises."""
-    value = os.environ.get("KDAKIT_CHUNK_BACKWARD", "windowed").strip().lower() or "windowed"
-    if value not in CHUNK_BACKWARDS:
-        raise ValueError(f"KDAKIT_CHUNK_BACKWARD must be one of {CHUNK_BACKWARDS}, got {value!r}")
+def requested_chunk_pipeline() -> str:
+    """``KDAKIT_CHUNK_PIPELINE`` (see CHUNK_PIPELINES); an unknown value raises."""
+    value = os.environ.get("KDAKIT_CHUNK_PIPELINE", "windowed").strip().lower() or "windowed"
+    if value not in CHUNK_PIPELINES:
+        raise ValueError(f"KDAKIT_CHUNK_PIPELINE must be one of {CHUNK_PIPELINES}, got {value!r}")
     return value
 
 

@@ -1,5 +1,5 @@
 """Experimental Triton backward of chunked KDA at 64-token chunks: three whole-sequence launches
-(``KDAKIT_CHUNK_BACKWARD=chunk64``; the default is the windowed backward of ``chunk_bwd.py``).
+(``KDAKIT_CHUNK_PIPELINE=chunk64``; the default is the windowed backward of ``chunk_bwd.py``).
 
 Status (``docs/perf_notes.md``): exact to fp32 round-off under the interpreter for every option. On the
 H200 at 1 x 8K, H = HV = 96, bf16, SPEC §3 flags, with the gradients in one fused kernel (2485f0a):
@@ -21,10 +21,8 @@ the chunk and dS' the state gradient leaving it::
     O = scale (qΓ S + Aqk V')   S' = exp(g_C) S + kd^T V',  kd = k exp(g_C - G)
     dS = exp(g_C) dS' + P - W^T (kd dS'),   P = scale (qΓ^T dO - W^T Aqk^T dO)
 
-1. ``chunk_kda_bwd_prep_kernel``, grid ``(chunks, HV)``: Akk, Aqk, the inverse (stored, token dtype
-   ``[B, T, HV, C]``, row i of a chunk holds row i of Tinv) and P (stored in the chunk's state-gradient
-   slot). Everything S-independent that the reverse pass needs and that would otherwise sit on its
-   critical path.
+1. the prep stage (``chunk_prep64.py``), grid ``(chunks, HV)``: Akk, Aqk, the inverse, W, kd, exp(g_C) and P
+   (into the chunk's state-gradient slot): everything S-independent that the serial passes need.
 2. ``chunk_kda_bwd_states_kernel``, grid ``(N*HV, cdiv(V, BV), 2)``: role 0 walks each sequence forward
    from h0 and stores the state entering every chunk; role 1 walks it backward from dht, reading P and
    storing the state gradient leaving every chunk (it needs no state), and writes dh0. Both roles
@@ -47,9 +45,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.ops.kda.plan import host_to_device
-from kdakit.ops.kda.chunk_common import block_size, gate_mode, load_matrix, load_rows, store_matrix, store_rows
+from kdakit.ops.kda.chunk_common import load_matrix, load_rows, store_matrix, store_rows
+from kdakit.ops.kda.chunk_prep64 import (
+    EXACT_KEY_SLICE,
+    Chunk64Options,
+    bias_row,
+    chunk64_tables,
+    gate_scalar,
+    load_rows_t,
+    load_step_operands,
+    locate_chunk,
+    run_prep,
+    state_strides,
+)
 from kdakit.ops.kda.chunk_tiles import (
     CHUNK,
     SUB,
@@ -64,20 +72,12 @@ from kdakit.ops.kda.chunk_tiles import (
     load_unit_lower,
     load_unit_rows,
     mm,
-    pairwise_diag_exact,
     pairwise_diag_exact_bwd,
-    pairwise_diag_safe,
     pairwise_diag_safe_bwd,
-    pairwise_offdiag,
     pairwise_offdiag_bwd,
-    round_to_bf16,
     round_to_bf16_if,
-    store_unit_lower_inverse,
 )
 
-MAX_HEAD_DIM = 128
-EXACT_KEY_SLICE = 16  # BKS of the EXACT diagonal blocks: [16, 16, 16] fp32 per slice
-PREP_NUM_WARPS = 8
 STATES_NUM_WARPS = 8
 GRADS_NUM_WARPS = 8
 PAIR_NUM_WARPS = 8
@@ -88,56 +88,6 @@ GRADS_BLOCK_V = 64  # the gradient kernel's V loop step (32-wide tiles faulted o
 # ---------------------------------------------------------------------------------------
 # shared per-chunk pieces
 # ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Global chunk i_t -> (bos int64, sequence length int32, first row t0 of the chunk)."""
-    if IS_VARLEN:
-        i_n = tl.load(chunk_table + 2 * i_t).to(tl.int64)
-        i_c = tl.load(chunk_table + 2 * i_t + 1)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        i_n = i_t // NTS
-        i_c = (i_t % NTS).to(tl.int32)
-        bos = i_n * T
-        eos = bos + T
-    return bos, (eos - bos).to(tl.int32), i_c * C
-
-
-@triton.jit
-def gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG: tl.constexpr):
-    """exp(A_log[hv]) (1 without A_log)."""
-    if HAS_A_LOG:
-        e = tl.exp(tl.load(A_log + i_hv.to(tl.int64) * stride_alog).to(tl.float32))
-    else:
-        e = 1.0
-    return e
-
-
-@triton.jit
-def bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS: tl.constexpr):
-    """dt_bias[hv * K] (the pointer itself without a bias)."""
-    if HAS_BIAS:
-        p = dt_bias + i_hv.to(tl.int64) * K * stride_bias
-    else:
-        p = dt_bias
-    return p
-
-
-@triton.jit
-def _pairwise(x, y, G, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x, stride_g, K, expA,
-              lower_bound, stride_bias, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
-              GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, INCLUDE_DIAG: tl.constexpr,
-              OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    A = pairwise_offdiag(x, y, G, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
-    if SAFE:
-        A += pairwise_diag_safe(x, y, G, C, SUBC, INCLUDE_DIAG, OP_BF16, EMULATE_BF16, DOT_PREC)
-    else:
-        A += pairwise_diag_exact(x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x, stride_g, K,
-                                 expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, INCLUDE_DIAG)
-    return A
 
 
 @triton.jit
@@ -154,90 +104,6 @@ def _pairwise_bwd(dA, x, y, G, dx, dy, dG, x_base, y_base, rx, ry, g_base, bias_
                                              stride_g, K, expA, lower_bound, stride_bias, dx, dy, dG, C, SUBC, BK,
                                              BKS, GATE, HAS_BIAS)
     return dx, dy, dG
-
-
-@triton.jit
-def load_rows_t(base, t0, n_rows, stride_row, n_cols, BR: tl.constexpr, BC: tl.constexpr):
-    """``x[t0 + r, c]`` loaded transposed as ``[BC, BR]`` fp32 (a transposed dot operand straight from
-    memory, no register transpose). Rows ``>= n_rows`` and columns ``>= n_cols`` read as 0."""
-    r = t0 + tl.arange(0, BR)
-    c = tl.arange(0, BC)
-    ptrs = base + r.to(tl.int64)[None, :] * stride_row + c[:, None]
-    return tl.load(ptrs, mask=(r < n_rows)[None, :] & (c < n_cols)[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def load_step_operands(w_base, kd_base, tinv_base, egc_row, t0, seq_len, HV, K,
-                       C: tl.constexpr, BK: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """A serial step's S-independent operands as the prep kernel stored them:
-    (Tinv [C, C], W [C, BK], kd [C, BK] as dot operands, exp(g_C) [BK] fp32)."""
-    Ti = dot_operand(load_unit_lower(tinv_base, t0, seq_len, HV * C, C), OP_BF16, EMULATE_BF16)
-    W = dot_operand(load_rows(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
-    kd = dot_operand(load_rows(kd_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
-    c = tl.arange(0, BK)
-    egc = tl.load(egc_row + c, mask=c < K, other=0.0)
-    return Ti, W, kd, egc
-
-
-# ---------------------------------------------------------------------------------------
-# kernel 1: the inverse and the S-independent part of the state-gradient step
-# ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def chunk_kda_bwd_prep_kernel(
-    q, k, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, dhs, cu_seqlens, chunk_table,
-    scale, lower_bound, T, H, HV, NTS, stride_alog, stride_bias,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
-    IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    i_t = tl.program_id(0).to(tl.int64)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
-    q_base = q + (bos * H + i_h) * K
-    k_base = k + (bos * H + i_h) * K
-    g_base = g + (bos * HV + i_hv) * K
-    bias_ptr = bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS)
-    expA = gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG)
-
-    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)  # [C, BK], [C]
-    kn, rk = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
-    a = load_gate(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, expA, lower_bound, C, BK, GATE, HAS_BIAS, stride_bias)
-    G = tl.cumsum(a, axis=0)  # [C, BK]
-    bt, _ = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
-
-    Akk = _pairwise(kn, kn, G, k_base, k_base, rk, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
-                    lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, False,
-                    OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, C]
-    tinv_base = tinv + (bos * HV + i_hv) * C
-    store_unit_lower_inverse(Akk * bt[:, None], tinv_base, t0, seq_len, HV * C, C, SUBC, EMULATE_BF16)
-    tok_c = (bos * HV + i_hv) * C
-    store_rows(akk + tok_c, round_to_bf16_if(Akk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
-    tl.debug_barrier()  # the stored inverse is re-read below by other threads of this program
-    Ti = load_unit_lower(tinv_base, t0, seq_len, HV * C, C)  # [C, C], as the later kernels see it
-
-    Aqk = _pairwise(qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
-                    lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, True,
-                    OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, C]
-    store_rows(aqk + tok_c, round_to_bf16_if(Aqk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
-    gam = tl.exp(G)
-    W = round_to_bf16_if(mm(Ti, kn * gam * bt[:, None], OP_BF16, EMULATE_BF16, DOT_PREC), EMULATE_BF16)  # [C, BK]
-    gcs = tl.sum(a, axis=0)  # [BK]: G at the last real row (padded rows add 0)
-    tok_k = (bos * HV + i_hv) * K
-    store_rows(w + tok_k, W, t0, seq_len, HV * K, 0, K, C, BK)
-    store_rows(kd + tok_k, round_to_bf16_if(kn * tl.exp(gcs[None, :] - G), EMULATE_BF16), t0, seq_len, HV * K, 0, K,
-               C, BK)
-    cols = tl.arange(0, BK)
-    tl.store(egc + (i_t * HV + i_hv) * K + cols, tl.exp(gcs), mask=cols < K)
-    sdo = scale * load_rows(do + (bos * HV + i_hv) * V, t0, seq_len, HV * V, 0, V, C, BV)  # [C, BV]
-    P = mm(tl.trans(qn * gam), sdo, OP_BF16, EMULATE_BF16, DOT_PREC) \
-        - mm(tl.trans(W), mm(tl.trans(Aqk), sdo, OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16, DOT_PREC)
-    if EMULATE_BF16:
-        P = round_to_bf16(P)
-    store_matrix(dhs + (i_t * HV + i_hv) * (K * V), P, V, 1, K, V, 0, BK, BV)
 
 
 # ---------------------------------------------------------------------------------------
@@ -554,167 +420,86 @@ def chunk_kda_bwd_pair_grads_kernel(
 # ---------------------------------------------------------------------------------------
 
 
-def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
-    """(bf16 operands?, fp32-operand precision): bf16 inputs multiply bf16 operands (rounded to nearest,
-    fp32 accumulation, as FLA); fp16 and fp32 inputs use 3xTF32; the interpreter is exact."""
-    if triton_interpreting():
-        return dtype == torch.bfloat16, "ieee"
-    if dtype == torch.bfloat16:
-        return True, "tf32"
-    return False, "tf32x3"
-
-
-def _state_strides(t: torch.Tensor | None, state_v_first: bool) -> tuple[int, int, int, int]:
-    """(n, hv, k, v) element strides of a state tensor in either layout (zeros for None)."""
-    if t is None:
-        return (0, 0, 0, 0)
-    sn, sh, s2, s3 = t.stride()
-    return (sn, sh, s3, s2) if state_v_first else (sn, sh, s2, s3)
-
-
-def chunk_chunk_table(lengths, chunk: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(pairs int32 [2*NT]: (sequence, chunk within it) of every global chunk, first int32 [N+1]: each
-    sequence's first global chunk, NT) for packed sequences, built on the host from known lengths."""
-    counts = torch.tensor([-(-int(n) // chunk) for n in lengths], dtype=torch.int64)
-    firsts = torch.zeros(len(counts) + 1, dtype=torch.int64)
-    firsts[1:] = torch.cumsum(counts, 0)
-    nt = int(firsts[-1])
-    if nt + len(counts) >= 2**31:
-        raise ValueError(f"the chunk table needs int32 entries, got {nt} chunks")
-    seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    local = torch.arange(nt) - firsts[:-1].repeat_interleave(counts)
-    table = host_to_device(torch.cat([torch.stack([seq, local], 1).reshape(-1), firsts]).to(torch.int32), device)
-    return table[: 2 * nt], table[2 * nt:], nt
-
-
 def chunk_kda_bwd64(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     do: torch.Tensor, dht: torch.Tensor | None, *,
-    scale: float,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     initial_state: torch.Tensor | None,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    allow_neg_eigval: bool,
-    safe_gate: bool,
-    lower_bound: float | None,
-    state_v_first: bool,
     cu_seqlens: torch.Tensor | None,
     seqlens,
+    opts: Chunk64Options,
 ):
     """Gradients of chunked KDA from the inputs, dO and dht (the forward saves nothing else).
 
     Shapes: q, k ``[B, T, H, K]``; v, do ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]``
     (contiguous, same dtype); dht ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None;
-    ``seqlens``: the per-sequence lengths of ``cu_seqlens`` on the host (ignored without cu_seqlens).
+    ``seqlens``: the per-sequence lengths of ``cu_seqlens`` on the host; ``opts`` from ``chunk64_options``.
 
     Returns ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)``: the first five in the token dtype;
     dA_log ``[HV]`` and ddt_bias ``[HV * K]`` fp32 (None when A_log / dt_bias is None); dh0 fp32 in
     initial_state's layout (None without an initial state).
     """
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("do", do)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous for the Triton backward, got strides {tuple(t.stride())}")
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise ValueError(f"the Triton backward supports K, V <= {MAX_HEAD_DIM}, got K={K}, V={V}")
     if do.shape != v.shape or do.dtype != v.dtype:
         raise ValueError(f"do must match v ({list(v.shape)}, {v.dtype}), got {list(do.shape)}, {do.dtype}")
-    gate = gate_mode(use_gate_in_kernel, lower_bound)
-    if gate == 1 and A_log is None:
-        raise ValueError("use_gate_in_kernel without lower_bound needs A_log, got None")
-    varlen = cu_seqlens is not None
-    lengths = list(seqlens) if varlen else [T] * B
-    N = len(lengths)
-    C = CHUNK
-    BK, BV = block_size(K), block_size(V)
-    dev, dt, f32 = q.device, q.dtype, torch.float32
-    op_bf16, prec = dot_config(dt)
-    interp = triton_interpreting()
-    emulate = interp and dt == torch.bfloat16
-    has_a = use_gate_in_kernel and A_log is not None
-    has_bias = use_gate_in_kernel and dt_bias is not None
-    safe = bool(safe_gate) or (use_gate_in_kernel and lower_bound is not None and lower_bound >= -5.0)
-    lb = float(lower_bound) if lower_bound is not None else 0.0
-    stride_alog = A_log.stride(0) if has_a else 0
-    stride_bias = dt_bias.stride(0) if has_bias else 0
-    common = dict(GATE=gate, HAS_A_LOG=has_a, HAS_BIAS=has_bias, USE_L2NORM=bool(use_qk_l2norm_in_kernel),
-                  BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-                  NEG_EIGVAL=bool(allow_neg_eigval and use_beta_sigmoid_in_kernel),
-                  IS_VARLEN=varlen, OP_BF16=op_bf16, EMULATE_BF16=emulate, DOT_PREC=prec)
-
+    if not do.is_contiguous():
+        raise ValueError(f"do must be contiguous for the Triton backward, got strides {tuple(do.stride())}")
+    o = opts
+    B, T, H, HV, K, V, N, NT, NTS = o.B, o.T, o.H, o.HV, o.K, o.V, o.N, o.NT, o.NTS
+    C, BK, BV = CHUNK, o.BK, o.BV
+    cx = o.constexprs
+    dev, f32 = q.device, torch.float32
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
-    if varlen:
-        pairs, firsts, NT = chunk_chunk_table(lengths, C, dev)
-    else:
-        pairs = firsts = None
-        NT = B * triton.cdiv(T, C)
-    NTS = triton.cdiv(T, C)
-    dA_part = torch.empty((NT, HV), dtype=f32, device=dev) if has_a else None
-    dbias_part = torch.empty((NT, HV, K), dtype=f32, device=dev) if has_bias else None
+    pairs, firsts = chunk64_tables(o, seqlens, dev)
+    dA_part = torch.empty((NT, HV), dtype=f32, device=dev) if cx["HAS_A_LOG"] else None
+    dbias_part = torch.empty((NT, HV, K), dtype=f32, device=dev) if cx["HAS_BIAS"] else None
     dh0 = None
     if initial_state is not None:
-        dh0 = torch.empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=f32, device=dev)
-    slot_dtype = f32 if dt == f32 else dt
-    tinv = torch.empty((B, T, HV, C), dtype=slot_dtype, device=dev)
-    aqk = torch.empty((B, T, HV, C), dtype=slot_dtype, device=dev)
-    akk = torch.empty((B, T, HV, C), dtype=slot_dtype, device=dev)
-    w = torch.empty((B, T, HV, K), dtype=slot_dtype, device=dev)
-    kd = torch.empty((B, T, HV, K), dtype=slot_dtype, device=dev)
-    egc = torch.empty((NT, HV, K), dtype=f32, device=dev)
-    hs = torch.empty((NT, HV, K, V), dtype=slot_dtype, device=dev)
-    dhs = torch.empty((NT, HV, K, V), dtype=slot_dtype, device=dev)
+        dh0 = torch.empty((N, HV, V, K) if o.state_v_first else (N, HV, K, V), dtype=f32, device=dev)
+    hs = torch.empty((NT, HV, K, V), dtype=o.slot_dtype, device=dev)
+    dhs = torch.empty((NT, HV, K, V), dtype=o.slot_dtype, device=dev)
+    p = run_prep(q, k, g, beta, A_log, dt_bias, cu_seqlens, pairs, o, do=do, dhs=dhs)
 
-    if NT * HV > 0:
-        chunk_kda_bwd_prep_kernel[(NT, HV)](
-            q, k, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, dhs, cu_seqlens, pairs,
-            float(scale), lb, T, H, HV, NTS, stride_alog, stride_bias,
-            K=K, V=V, C=C, SUBC=SUB, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), SAFE=safe, **common,
-            num_warps=PREP_NUM_WARPS, num_stages=1,
-        )
     if N * HV > 0:
         bv = min(STATES_BLOCK_V, BV)
         chunk_kda_bwd_states_kernel[(N * HV, triton.cdiv(V, bv), 2)](
-            v, beta, w, kd, tinv, egc, hs, dhs, initial_state, dht, dh0, cu_seqlens, firsts, T, HV, NTS,
-            *_state_strides(initial_state, state_v_first), *_state_strides(dht, state_v_first),
-            *_state_strides(dh0, state_v_first),
+            v, beta, p["w"], p["kd"], p["tinv"], p["egc"], hs, dhs, initial_state, dht, dh0, cu_seqlens, firsts,
+            T, HV, NTS, *state_strides(initial_state, o.state_v_first), *state_strides(dht, o.state_v_first),
+            *state_strides(dh0, o.state_v_first),
             K=K, V=V, C=C, BK=BK, BV=bv, HAS_H0=initial_state is not None, HAS_DHT=dht is not None,
-            STORE_DH0=dh0 is not None, LOOP_WHILE=interp, BETA_SIGMOID=common["BETA_SIGMOID"],
-            NEG_EIGVAL=common["NEG_EIGVAL"], IS_VARLEN=varlen, OP_BF16=op_bf16, EMULATE_BF16=emulate, DOT_PREC=prec,
-            num_warps=STATES_NUM_WARPS, num_stages=1,
+            STORE_DH0=dh0 is not None, LOOP_WHILE=o.interpreting, BETA_SIGMOID=cx["BETA_SIGMOID"],
+            NEG_EIGVAL=cx["NEG_EIGVAL"], IS_VARLEN=o.varlen, OP_BF16=cx["OP_BF16"], EMULATE_BF16=cx["EMULATE_BF16"],
+            DOT_PREC=cx["DOT_PREC"], num_warps=STATES_NUM_WARPS, num_stages=1,
         )
     if NT * HV > 0:
         inter = torch.empty((3, B, T, HV, K), dtype=f32, device=dev)
         dA2 = torch.empty((2, B, T, HV, C), dtype=f32, device=dev)
         db_buf = torch.empty((B, T, HV), dtype=f32, device=dev)
         dgc_buf = torch.empty((NT, HV, K), dtype=f32, device=dev)
-        planes = dict(TOK_PLANE=B * T * HV * K, A_PLANE=B * T * HV * C)
+        planes = (B * T * HV * K, B * T * HV * C)
         chunk_kda_bwd_state_grads_kernel[(NT, HV)](
-            q, k, v, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, hs, dhs,
+            q, k, v, g, beta, A_log, dt_bias, do, p["tinv"], p["w"], p["kd"], p["egc"], p["aqk"], p["akk"], hs, dhs,
             dv, inter, dA2, db_buf, dgc_buf, cu_seqlens, pairs,
-            float(scale), lb, T, H, HV, NTS, stride_alog, stride_bias, planes["TOK_PLANE"], planes["A_PLANE"],
-            K=K, V=V, C=C, BK=BK, BV=BV, BVS=min(GRADS_BLOCK_V, BV), **common,
+            o.scale, o.lower_bound, T, H, HV, NTS, o.stride_alog, o.stride_bias, *planes,
+            K=K, V=V, C=C, BK=BK, BV=BV, BVS=min(GRADS_BLOCK_V, BV), **cx,
             num_warps=GRADS_NUM_WARPS, num_stages=1,
         )
         chunk_kda_bwd_pair_grads_kernel[(NT, H)](
             q, k, g, beta, A_log, dt_bias, inter, dA2, db_buf, dgc_buf, dq, dk, dg, dbeta, dA_part, dbias_part,
-            cu_seqlens, pairs, lb, T, H, HV, NTS, stride_alog, stride_bias, planes["TOK_PLANE"], planes["A_PLANE"],
-            K=K, C=C, SUBC=SUB, BK=BK, BKS=min(EXACT_KEY_SLICE, BK), GROUP=HV // H, SAFE=safe, **common,
+            cu_seqlens, pairs, o.lower_bound, T, H, HV, NTS, o.stride_alog, o.stride_bias, *planes,
+            K=K, C=C, SUBC=SUB, BK=BK, BKS=min(EXACT_KEY_SLICE, BK), GROUP=HV // H, SAFE=o.safe, **cx,
             num_warps=PAIR_NUM_WARPS, num_stages=1,
         )
         del inter, dA2, db_buf, dgc_buf
-    del tinv, aqk, akk, w, kd, egc, hs, dhs, pairs, firsts
+    del p, hs, dhs, pairs, firsts
 
     dA_log = ddt_bias = None
     if A_log is not None:
-        dA_log = dA_part.sum(0) if has_a else torch.zeros(HV, dtype=f32, device=dev)
+        dA_log = dA_part.sum(0) if cx["HAS_A_LOG"] else torch.zeros(HV, dtype=f32, device=dev)
     if dt_bias is not None:
-        ddt_bias = dbias_part.sum(0).view(HV * K) if has_bias else torch.zeros(HV * K, dtype=f32, device=dev)
+        ddt_bias = dbias_part.sum(0).view(HV * K) if cx["HAS_BIAS"] else torch.zeros(HV * K, dtype=f32, device=dev)
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0

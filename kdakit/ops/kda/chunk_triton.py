@@ -1,10 +1,10 @@
 """Autograd Function joining the Triton chunk kernels: forward (chunk_fwd) and the windowed
-backward (chunk_bwd), or the experimental 64-token backward (chunk_bwd64) with
-``KDAKIT_CHUNK_BACKWARD=chunk64`` (chosen once per call, in forward).
+backward (chunk_bwd), or the experimental 64-token pipeline (chunk_fwd64, chunk_bwd64) with
+``KDAKIT_CHUNK_PIPELINE=chunk64`` (chosen once per call, in forward).
 
 Saved for backward: the inputs autograd already holds plus, for the windowed backward, the fp32
 state checkpoints at the plan's cadence (``plan.checkpoint_every_n_tokens``) — nothing that grows
-with T·H beyond those; the 64-token backward needs no checkpoints. The plan (``kdakit.ops.kda.plan.plan_kda``) is made once per call from
+with T·H beyond those; the 64-token pipeline saves no checkpoints. The plan (``kdakit.ops.kda.plan.plan_kda``) is made once per call from
 the shapes and is the object the memory model prices.
 """
 
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from kdakit.ops.kda.backend import requested_chunk_backward
+from kdakit.ops.kda.backend import requested_chunk_pipeline
 from kdakit.ops.kda.chunk_bwd import chunk_kda_bwd
 from kdakit.ops.kda.chunk_bwd64 import chunk_kda_bwd64
+from kdakit.ops.kda.chunk_fwd64 import chunk_kda_fwd64
+from kdakit.ops.kda.chunk_prep64 import chunk64_options
 from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd
 from kdakit.ops.kda.plan import plan_kda, sequence_lengths
 
@@ -31,13 +33,22 @@ class ChunkKDATritonFunction(torch.autograd.Function):
                         initial_state=initial_state is not None,
                         initial_state_dtype=initial_state.dtype if initial_state is not None else torch.float32,
                         output_final_state=output_final_state, gate_params=A_log is not None)
-        ctx.chunk64 = requested_chunk_backward() == "chunk64"
-        # One offsets tensor, from the planned lengths (no device read), serves forward and backward.
-        offsets = None if ctx.chunk64 else plan.checkpoint_offsets(q.device)
-        o, final, ckpts = chunk_kda_fwd(
-            q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, plan=plan, ckpt_offsets=offsets,
-            save_checkpoints=not ctx.chunk64, **flags)
+        ctx.opts64 = None
+        if requested_chunk_pipeline() == "chunk64":
+            ctx.opts64 = chunk64_options(
+                q, v, scale=scale, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, seqlens=seqlens,
+                tensors=dict(q=q, k=k, v=v, g=g, beta=beta), **flags)
+            o, final = chunk_kda_fwd64(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                       seqlens=seqlens, opts=ctx.opts64)
+            ckpts = offsets = None
+        else:
+            # One offsets tensor, from the planned lengths (no device read), serves forward and backward.
+            offsets = plan.checkpoint_offsets(q.device)
+            o, final, ckpts = chunk_kda_fwd(
+                q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, plan=plan, ckpt_offsets=offsets,
+                **flags)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ckpts, offsets)
         ctx.plan, ctx.scale, ctx.flags, ctx.seqlens = plan, scale, flags, seqlens
         return o, final
@@ -49,11 +60,10 @@ class ChunkKDATritonFunction(torch.autograd.Function):
         # read dense rows, so only such a cotangent is materialized.
         if not do.is_contiguous():
             do = do.contiguous()
-        if ctx.chunk64:
+        if ctx.opts64 is not None:
             dq, dk, dv, dg, dbeta, dA, dbias, dh0 = chunk_kda_bwd64(
-                q, k, v, g, beta, do, dht, scale=ctx.scale, A_log=A_log, dt_bias=dt_bias,
-                initial_state=initial_state, cu_seqlens=cu_seqlens,
-                seqlens=ctx.seqlens if cu_seqlens is not None else None, **ctx.flags)
+                q, k, v, g, beta, do, dht, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                cu_seqlens=cu_seqlens, seqlens=ctx.seqlens, opts=ctx.opts64)
         else:
             dq, dk, dv, dg, dbeta, dA, dbias, dh0 = chunk_kda_bwd(
                 q, k, v, g, beta, do, dht, checkpoints=ckpts, scale=ctx.scale, A_log=A_log, dt_bias=dt_bias,

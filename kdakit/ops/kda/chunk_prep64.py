@@ -1,0 +1,330 @@
+"""The prep stage of the 64-token chunk pipeline (``KDAKIT_CHUNK_PIPELINE=chunk64``), shared by its forward
+(``chunk_fwd64.py``) and backward (``chunk_bwd64.py``): everything of a chunk that does not depend on the state.
+
+Per chunk of C = 64 tokens and value head (sub-chunk numerics in ``chunk_tiles.py``), with G the chunk cumsum
+of the log-decay, Γ = exp(G) and g_C = G at the last row::
+
+    Akk, Aqk (pairwise, 16-token sub-chunks)    Tinv = (I + beta Akk)^-1 (by blocks, stored)
+    W = Tinv (beta k Γ)    kd = k exp(g_C - G)    exp(g_C)
+    forward:  qΓ                                backward: Akk and P = scale (qΓ^T dO - W^T Aqk^T dO)
+
+Stored in the token dtype (fp32 for fp32 inputs): Tinv, Aqk, Akk ``[B, T, HV, C]`` (row i of a chunk holds
+row i of the matrix), W, kd, qΓ ``[B, T, HV, K]``; exp(g_C) fp32 ``[chunks, HV, K]``; P into the chunk's
+state-gradient slot ``[chunks, HV, K, V]``. The serial passes then only load operands (on the H200 a
+step that loads them took 12 us, one that re-derived them 50 us).
+
+Launch options are decided once, by ``chunk64_options``, into one frozen object the launchers take whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kdakit.ops.kda.backend import triton_interpreting
+from kdakit.ops.kda.chunk_common import block_size, gate_mode, load_rows, store_matrix, store_rows
+from kdakit.ops.kda.chunk_tiles import (
+    CHUNK,
+    SUB,
+    dot_operand,
+    load_beta,
+    load_gate,
+    load_unit_lower,
+    load_unit_rows,
+    mm,
+    pairwise_diag_exact,
+    pairwise_diag_safe,
+    pairwise_offdiag,
+    round_to_bf16_if,
+    store_unit_lower_inverse,
+)
+from kdakit.ops.kda.plan import host_to_device
+
+MAX_HEAD_DIM = 128
+EXACT_KEY_SLICE = 16  # BKS of the EXACT diagonal blocks: [16, 16, 16] fp32 per slice
+PREP_NUM_WARPS = 8
+
+
+# ---------------------------------------------------------------------------------------
+# shared per-chunk pieces
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Global chunk i_t -> (bos int64, sequence length int32, first row t0 of the chunk)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_table + 2 * i_t).to(tl.int64)
+        i_c = tl.load(chunk_table + 2 * i_t + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        i_n = i_t // NTS
+        i_c = (i_t % NTS).to(tl.int32)
+        bos = i_n * T
+        eos = bos + T
+    return bos, (eos - bos).to(tl.int32), i_c * C
+
+
+@triton.jit
+def gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG: tl.constexpr):
+    """exp(A_log[hv]) (1 without A_log)."""
+    if HAS_A_LOG:
+        e = tl.exp(tl.load(A_log + i_hv.to(tl.int64) * stride_alog).to(tl.float32))
+    else:
+        e = 1.0
+    return e
+
+
+@triton.jit
+def bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS: tl.constexpr):
+    """dt_bias[hv * K] (the pointer itself without a bias)."""
+    if HAS_BIAS:
+        p = dt_bias + i_hv.to(tl.int64) * K * stride_bias
+    else:
+        p = dt_bias
+    return p
+
+
+@triton.jit
+def pairwise_chunk(x, y, G, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x, stride_g, K, expA,
+              lower_bound, stride_bias, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
+              GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, INCLUDE_DIAG: tl.constexpr,
+              OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+    A = pairwise_offdiag(x, y, G, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
+    if SAFE:
+        A += pairwise_diag_safe(x, y, G, C, SUBC, INCLUDE_DIAG, OP_BF16, EMULATE_BF16, DOT_PREC)
+    else:
+        A += pairwise_diag_exact(x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x, stride_g, K,
+                                 expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, INCLUDE_DIAG)
+    return A
+
+
+@triton.jit
+def load_rows_t(base, t0, n_rows, stride_row, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    """``x[t0 + r, c]`` loaded transposed as ``[BC, BR]`` fp32 (a transposed dot operand straight from
+    memory, no register transpose). Rows ``>= n_rows`` and columns ``>= n_cols`` read as 0."""
+    r = t0 + tl.arange(0, BR)
+    c = tl.arange(0, BC)
+    ptrs = base + r.to(tl.int64)[None, :] * stride_row + c[:, None]
+    return tl.load(ptrs, mask=(r < n_rows)[None, :] & (c < n_cols)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_step_operands(w_base, kd_base, tinv_base, egc_row, t0, seq_len, HV, K,
+                       C: tl.constexpr, BK: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """A serial step's S-independent operands as the prep kernel stored them:
+    (Tinv [C, C], W [C, BK], kd [C, BK] as dot operands, exp(g_C) [BK] fp32)."""
+    Ti = dot_operand(load_unit_lower(tinv_base, t0, seq_len, HV * C, C), OP_BF16, EMULATE_BF16)
+    W = dot_operand(load_rows(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
+    kd = dot_operand(load_rows(kd_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
+    c = tl.arange(0, BK)
+    egc = tl.load(egc_row + c, mask=c < K, other=0.0)
+    return Ti, W, kd, egc
+
+
+# ---------------------------------------------------------------------------------------
+# the prep kernel
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def chunk_kda_prep64_kernel(
+    q, k, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, qg, dhs, cu_seqlens, chunk_table,
+    scale, lower_bound, T, H, HV, NTS, stride_alog, stride_bias,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+    FOR_BACKWARD: tl.constexpr,
+):
+    """One (chunk, value head): the inverse, W, kd, exp(g_C), Aqk; for the backward also Akk and P (into the
+    chunk's state-gradient slot), for the forward qΓ."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
+    q_base = q + (bos * H + i_h) * K
+    k_base = k + (bos * H + i_h) * K
+    g_base = g + (bos * HV + i_hv) * K
+    bias_ptr = bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS)
+    expA = gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG)
+
+    qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)  # [C, BK], [C]
+    kn, rk = load_unit_rows(k_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)
+    a = load_gate(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, expA, lower_bound, C, BK, GATE, HAS_BIAS, stride_bias)
+    G = tl.cumsum(a, axis=0)  # [C, BK]
+    bt, _ = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
+
+    Akk = pairwise_chunk(kn, kn, G, k_base, k_base, rk, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
+                    lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, False,
+                    OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, C]
+    tinv_base = tinv + (bos * HV + i_hv) * C
+    store_unit_lower_inverse(Akk * bt[:, None], tinv_base, t0, seq_len, HV * C, C, SUBC, EMULATE_BF16)
+    tok_c = (bos * HV + i_hv) * C
+    if FOR_BACKWARD:
+        store_rows(akk + tok_c, round_to_bf16_if(Akk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
+    tl.debug_barrier()  # the stored inverse is re-read below by other threads of this program
+    Ti = load_unit_lower(tinv_base, t0, seq_len, HV * C, C)  # [C, C], as the later kernels see it
+
+    Aqk = pairwise_chunk(qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
+                    lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, True,
+                    OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, C]
+    store_rows(aqk + tok_c, round_to_bf16_if(Aqk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
+    gam = tl.exp(G)
+    W = round_to_bf16_if(mm(Ti, kn * gam * bt[:, None], OP_BF16, EMULATE_BF16, DOT_PREC), EMULATE_BF16)  # [C, BK]
+    gcs = tl.sum(a, axis=0)  # [BK]: G at the last real row (padded rows add 0)
+    tok_k = (bos * HV + i_hv) * K
+    store_rows(w + tok_k, W, t0, seq_len, HV * K, 0, K, C, BK)
+    store_rows(kd + tok_k, round_to_bf16_if(kn * tl.exp(gcs[None, :] - G), EMULATE_BF16), t0, seq_len, HV * K, 0, K,
+               C, BK)
+    cols = tl.arange(0, BK)
+    tl.store(egc + (i_t * HV + i_hv) * K + cols, tl.exp(gcs), mask=cols < K)
+    if FOR_BACKWARD:
+        sdo = scale * load_rows(do + (bos * HV + i_hv) * V, t0, seq_len, HV * V, 0, V, C, BV)  # [C, BV]
+        P = mm(tl.trans(qn * gam), sdo, OP_BF16, EMULATE_BF16, DOT_PREC) \
+            - mm(tl.trans(W), mm(tl.trans(Aqk), sdo, OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16,
+                 DOT_PREC)
+        store_matrix(dhs + (i_t * HV + i_hv) * (K * V), round_to_bf16_if(P, EMULATE_BF16), V, 1, K, V, 0, BK, BV)
+    else:
+        store_rows(qg + tok_k, round_to_bf16_if(qn * gam, EMULATE_BF16), t0, seq_len, HV * K, 0, K, C, BK)
+
+
+# ---------------------------------------------------------------------------------------
+# options and launcher
+# ---------------------------------------------------------------------------------------
+
+
+def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
+    """(bf16 operands?, fp32-operand precision): bf16 inputs multiply bf16 operands (rounded to nearest,
+    fp32 accumulation, as FLA); fp16 and fp32 inputs use 3xTF32; the interpreter is exact."""
+    if triton_interpreting():
+        return dtype == torch.bfloat16, "ieee"
+    if dtype == torch.bfloat16:
+        return True, "tf32"
+    return False, "tf32x3"
+
+
+def state_strides(t: torch.Tensor | None, state_v_first: bool) -> tuple[int, int, int, int]:
+    """(n, hv, k, v) element strides of a state tensor in either layout (zeros for None)."""
+    if t is None:
+        return (0, 0, 0, 0)
+    sn, sh, s2, s3 = t.stride()
+    return (sn, sh, s3, s2) if state_v_first else (sn, sh, s2, s3)
+
+
+def chunk_chunk_table(lengths, chunk: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(pairs int32 [2*NT]: (sequence, chunk within it) of every global chunk, first int32 [N+1]: each
+    sequence's first global chunk, NT) for packed sequences, built on the host from known lengths."""
+    counts = torch.tensor([-(-int(n) // chunk) for n in lengths], dtype=torch.int64)
+    firsts = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    firsts[1:] = torch.cumsum(counts, 0)
+    nt = int(firsts[-1])
+    if nt + len(counts) >= 2**31:
+        raise ValueError(f"the chunk table needs int32 entries, got {nt} chunks")
+    seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    local = torch.arange(nt) - firsts[:-1].repeat_interleave(counts)
+    table = host_to_device(torch.cat([torch.stack([seq, local], 1).reshape(-1), firsts]).to(torch.int32), device)
+    return table[: 2 * nt], table[2 * nt:], nt
+
+
+
+@dataclass(frozen=True)
+class Chunk64Options:
+    """Shapes, options and their kernel encodings for one call of the 64-token pipeline, decided once."""
+
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int  # sequences
+    NT: int  # 64-token chunks over all sequences
+    NTS: int  # chunks per sequence of a fixed-length batch
+    BK: int
+    BV: int
+    varlen: bool
+    scale: float
+    lower_bound: float
+    safe: bool
+    stride_alog: int
+    stride_bias: int
+    state_v_first: bool
+    slot_dtype: torch.dtype
+    interpreting: bool
+    constexprs: dict  # GATE, HAS_A_LOG, HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL, IS_VARLEN, OP_BF16, ...
+
+
+def chunk64_options(q: torch.Tensor, v: torch.Tensor, *, scale: float, A_log, dt_bias, use_qk_l2norm_in_kernel: bool,
+                    use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
+                    safe_gate: bool, lower_bound: float | None, state_v_first: bool, cu_seqlens, seqlens,
+                    tensors: dict) -> Chunk64Options:
+    """Checks what the kernels need beyond ``kdakit.chunk_kda``'s validation (``tensors``: name -> the
+    token-major tensors that must be contiguous) and encodes the options."""
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for the Triton kernels, got strides {tuple(t.stride())}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton kernels support K, V <= {MAX_HEAD_DIM}, got K={K}, V={V}")
+    gate = gate_mode(use_gate_in_kernel, lower_bound)
+    if gate == 1 and A_log is None:
+        raise ValueError("use_gate_in_kernel without lower_bound needs A_log, got None")
+    varlen = cu_seqlens is not None
+    lengths = list(seqlens) if varlen else [T] * B
+    NT = sum(-(-int(n) // CHUNK) for n in lengths)
+    op_bf16, prec = dot_config(q.dtype)
+    interp = triton_interpreting()
+    has_a = use_gate_in_kernel and A_log is not None
+    has_bias = use_gate_in_kernel and dt_bias is not None
+    return Chunk64Options(
+        B=B, T=T, H=H, HV=HV, K=K, V=V, N=len(lengths), NT=NT, NTS=triton.cdiv(T, CHUNK),
+        BK=block_size(K), BV=block_size(V), varlen=varlen, scale=float(scale),
+        lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
+        safe=bool(safe_gate) or (use_gate_in_kernel and lower_bound is not None and lower_bound >= -5.0),
+        stride_alog=A_log.stride(0) if has_a else 0, stride_bias=dt_bias.stride(0) if has_bias else 0,
+        state_v_first=bool(state_v_first), slot_dtype=torch.float32 if q.dtype == torch.float32 else q.dtype,
+        interpreting=interp,
+        constexprs=dict(GATE=gate, HAS_A_LOG=has_a, HAS_BIAS=has_bias, USE_L2NORM=bool(use_qk_l2norm_in_kernel),
+                        BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+                        NEG_EIGVAL=bool(allow_neg_eigval and use_beta_sigmoid_in_kernel), IS_VARLEN=varlen,
+                        OP_BF16=op_bf16, EMULATE_BF16=interp and q.dtype == torch.bfloat16, DOT_PREC=prec),
+    )
+
+
+def chunk64_tables(o: Chunk64Options, seqlens, device):
+    """(pairs, firsts) of ``chunk_chunk_table`` for packed sequences, (None, None) otherwise."""
+    if not o.varlen:
+        return None, None
+    pairs, firsts, _ = chunk_chunk_table(seqlens, CHUNK, device)
+    return pairs, firsts
+
+
+def run_prep(q, k, g, beta, A_log, dt_bias, cu_seqlens, pairs, o: Chunk64Options, *, do=None, dhs=None) -> dict:
+    """Allocate the prep stage's outputs and run it. With ``do`` (backward) it also writes Akk and P (into
+    ``dhs``), without it (forward) qΓ. Returns name -> tensor."""
+    dev, C = q.device, CHUNK
+    out = dict(tinv=torch.empty((o.B, o.T, o.HV, C), dtype=o.slot_dtype, device=dev),
+               aqk=torch.empty((o.B, o.T, o.HV, C), dtype=o.slot_dtype, device=dev),
+               w=torch.empty((o.B, o.T, o.HV, o.K), dtype=o.slot_dtype, device=dev),
+               kd=torch.empty((o.B, o.T, o.HV, o.K), dtype=o.slot_dtype, device=dev),
+               egc=torch.empty((o.NT, o.HV, o.K), dtype=torch.float32, device=dev))
+    backward = do is not None
+    if backward:
+        out["akk"] = torch.empty((o.B, o.T, o.HV, C), dtype=o.slot_dtype, device=dev)
+    else:
+        out["qg"] = torch.empty((o.B, o.T, o.HV, o.K), dtype=o.slot_dtype, device=dev)
+    if o.NT * o.HV > 0:
+        chunk_kda_prep64_kernel[(o.NT, o.HV)](
+            q, k, g, beta, A_log, dt_bias, do, out["tinv"], out["w"], out["kd"], out["egc"], out["aqk"],
+            out.get("akk"), out.get("qg"), dhs, cu_seqlens, pairs,
+            o.scale, o.lower_bound, o.T, o.H, o.HV, o.NTS, o.stride_alog, o.stride_bias,
+            K=o.K, V=o.V, C=C, SUBC=SUB, BK=o.BK, BV=o.BV, BKS=min(EXACT_KEY_SLICE, o.BK), SAFE=o.safe,
+            FOR_BACKWARD=backward, **o.constexprs, num_warps=PREP_NUM_WARPS, num_stages=1,
+        )
+    return out
