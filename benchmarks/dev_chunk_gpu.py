@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
@@ -32,7 +31,6 @@ def protocol_inputs(mbs: int, seq: int, heads: int, d: int = 128, seed: int = 0)
 
 def accuracy(gate: str, T_lens, H: int, seed: int = 0) -> dict:
     from kdakit import chunk_kda
-    from kdakit.ops.kda.chunk_reference import chunked_kda_reference  # noqa: F401
     from kdakit.testing import error_report, float64_copy, make_kda_inputs, run_kda
 
     gen = torch.Generator().manual_seed(seed)
@@ -105,6 +103,8 @@ def main():
     ap.add_argument("--gates", default="safe,softplus")
     a = ap.parse_args()
     import kdakit.ops.kda.chunk_bwd64 as M
+    import kdakit.ops.kda.chunk_fwd64 as F
+    import kdakit.ops.kda.chunk_prep64 as P
 
     os.environ.setdefault("KDAKIT_CHUNK_PIPELINE", "chunk64")
 
@@ -123,17 +123,19 @@ def main():
             save()
     mbs_seq, heads = a.shape.split(":")
     mbs, seq = (int(s) for s in mbs_seq.split("x"))
+    # launch-configuration knobs of the 64-token pipeline, name -> (module, attribute)
+    knobs = {"prep": (P, "PREP_NUM_WARPS"), "fwd": (F, "STATE_NUM_WARPS"), "fbv": (F, "STATE_BLOCK_V"),
+             "states": (M, "STATES_NUM_WARPS"), "sbv": (M, "STATES_BLOCK_V"), "grads": (M, "GRADS_NUM_WARPS"),
+             "gbv": (M, "GRADS_BLOCK_V"), "pair": (M, "PAIR_NUM_WARPS")}
     variants = [""] + [v for v in a.variants.split(";") if v]
     for var in variants:
         for item in filter(None, var.split(",")):
             name, val = item.split("=")
-            setattr(M, {"grads": "GRADS_NUM_WARPS", "pair": "PAIR_NUM_WARPS", "states": "STATES_NUM_WARPS",
-                        "prep": "PREP_NUM_WARPS",
-                        "sbv": "STATES_BLOCK_V", "gbv": "GRADS_BLOCK_V"}[name], int(val))
+            mod, attr = knobs[name]
+            setattr(mod, attr, int(val))
         t = time.time()
         r = perf(mbs, seq, int(heads))
-        r["config"] = {n: getattr(M, n) for n in ("GRADS_NUM_WARPS", "PAIR_NUM_WARPS", "STATES_NUM_WARPS",
-                                                  "PREP_NUM_WARPS", "STATES_BLOCK_V", "GRADS_BLOCK_V")}
+        r["config"] = {name: getattr(mod, attr) for name, (mod, attr) in knobs.items()}
         res.setdefault("perf", []).append(r)
         print(a.shape, r["config"], f"fwd {r['fwd_ms']:.2f} ms, fwd+bwd {r['fwd_bwd_ms']:.2f} ms ({time.time() - t:.0f}s)",
               flush=True)

@@ -8,11 +8,14 @@ CHILD = r"""
 import os, sys, torch
 os.environ["KDAKIT_CHUNK_PIPELINE"] = "chunk64"
 import kdakit.ops.kda.chunk_bwd64 as M
+import kdakit.ops.kda.chunk_fwd64 as F
+import kdakit.ops.kda.chunk_prep64 as P
 for item in filter(None, sys.argv[1].split(",")):
     n, v = item.split("=")
-    setattr(M, {"grads": "GRADS_NUM_WARPS", "pair": "PAIR_NUM_WARPS", "states": "STATES_NUM_WARPS",
-                "prep": "PREP_NUM_WARPS",
-                "sbv": "STATES_BLOCK_V", "gbv": "GRADS_BLOCK_V"}[n], int(v))
+    mod, attr = {"prep": (P, "PREP_NUM_WARPS"), "fwd": (F, "STATE_NUM_WARPS"), "fbv": (F, "STATE_BLOCK_V"),
+                 "states": (M, "STATES_NUM_WARPS"), "sbv": (M, "STATES_BLOCK_V"), "grads": (M, "GRADS_NUM_WARPS"),
+                 "gbv": (M, "GRADS_BLOCK_V"), "pair": (M, "PAIR_NUM_WARPS")}[n]
+    setattr(mod, attr, int(v))
 from kdakit import chunk_kda
 T, H = int(sys.argv[2]), int(sys.argv[3])
 g = torch.Generator(device="cuda").manual_seed(0)
