@@ -45,7 +45,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import load_matrix, load_rows, store_matrix, store_rows
+from kdakit.ops.kda.chunk_common import (
+    beta_activation_bwd,
+    load_matrix,
+    load_rows,
+    round_to_bf16_if,
+    store_matrix,
+    store_rows,
+)
 from kdakit.ops.kda.chunk_prep64 import (
     EXACT_KEY_SLICE,
     Chunk64Options,
@@ -56,12 +63,12 @@ from kdakit.ops.kda.chunk_prep64 import (
     load_step_operands,
     locate_chunk,
     run_prep,
+    state_step,
     state_strides,
 )
 from kdakit.ops.kda.chunk_tiles import (
     CHUNK,
     SUB,
-    beta_bwd,
     dot_operand,
     gate_bwd,
     gate_from_preact,
@@ -69,13 +76,11 @@ from kdakit.ops.kda.chunk_tiles import (
     l2norm_bwd,
     load_beta,
     load_gate,
-    load_unit_lower,
     load_unit_rows,
     mm,
     pairwise_diag_exact_bwd,
     pairwise_diag_safe_bwd,
     pairwise_offdiag_bwd,
-    round_to_bf16_if,
 )
 
 STATES_NUM_WARPS = 8
@@ -109,26 +114,6 @@ def _pairwise_bwd(dA, x, y, G, dx, dy, dG, x_base, y_base, rx, ry, g_base, bias_
 # ---------------------------------------------------------------------------------------
 # kernel 2: states forward (role 0) and state gradients backward (role 1)
 # ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _forward_step(S, i_c, c0, v_base, b_base, w_base, kd_base, tinv_base, egc, hs, i_hv, seq_len, HV, v0,
-                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, OP_BF16: tl.constexpr,
-                  EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    t0 = i_c * C
-    row = (c0 + i_c) * HV + i_hv
-    store_matrix(hs + row * (K * V), round_to_bf16_if(S, EMULATE_BF16), V, 1, K, V, v0, BK, BV)
-    Ti = dot_operand(load_unit_lower(tinv_base, t0, seq_len, HV * C, C), OP_BF16, EMULATE_BF16)  # [C, C]
-    W = dot_operand(load_rows(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
-    kdT = dot_operand(load_rows_t(kd_base, t0, seq_len, HV * K, K, C, BK), OP_BF16, EMULATE_BF16)  # [BK, C]
-    cols = tl.arange(0, BK)
-    egc_c = tl.load(egc + row * K + cols, mask=cols < K, other=0.0)
-    bt, _ = load_beta(b_base, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)
-    vt = load_rows(v_base, t0, seq_len, HV * V, v0, V, C, BV)  # [C, BV]
-    vn = tl.dot(Ti, dot_operand(vt * bt[:, None], OP_BF16, EMULATE_BF16), input_precision=DOT_PREC) \
-        - tl.dot(W, dot_operand(S, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)
-    return S * egc_c[:, None] + tl.dot(kdT, dot_operand(vn, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -188,13 +173,15 @@ def chunk_kda_bwd_states_kernel(
             # The interpreter cannot take range() of a program-dependent bound; a while loop it can.
             i_c = 0
             while i_c < n_chunks:
-                S = _forward_step(S, i_c, c0, v_base, b_base, w_base, kd_base, tinv_base, egc, hs, i_hv, seq_len, HV,
-                                  v0, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
+                S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, 1.0, v_base, b_base, w_base, kd_base, tinv_base,
+                               egc, None, None, None, hs, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16,
+                               EMULATE_BF16, DOT_PREC, False, True)
                 i_c += 1
         else:
             for i_c in range(0, n_chunks):
-                S = _forward_step(S, i_c, c0, v_base, b_base, w_base, kd_base, tinv_base, egc, hs, i_hv, seq_len, HV,
-                                  v0, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
+                S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, 1.0, v_base, b_base, w_base, kd_base, tinv_base,
+                               egc, None, None, None, hs, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16,
+                               EMULATE_BF16, DOT_PREC, False, True)
     else:
         dS = tl.zeros([BK, BV], dtype=tl.float32)
         if HAS_DHT:
@@ -369,7 +356,7 @@ def _pair_head_grads(
     r_b = (bos + t0 + rows).to(tl.int64)
     _, braw = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)
     db = tl.load(db_buf + r_b * HV + i_hv, mask=real, other=0.0)
-    tl.store(dbeta + r_b * HV + i_hv, beta_bwd(db, braw, BETA_SIGMOID, NEG_EIGVAL).to(dbeta.dtype.element_ty),
+    tl.store(dbeta + r_b * HV + i_hv, beta_activation_bwd(db, braw, BETA_SIGMOID, NEG_EIGVAL).to(dbeta.dtype.element_ty),
              mask=real)
     # the diagonal of Aqk (exp(0) = 1): Aqk_ii = q_i . k_i
     dd = tl.sum(tl.where(rows[:, None] == rows[None, :], dAqk, 0.0), axis=1)  # [C]

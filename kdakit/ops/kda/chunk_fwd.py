@@ -77,7 +77,6 @@ from kdakit.ops.kda.chunk_common import (
     load_rows_native,
     pairwise_dot,
     pairwise_exact,
-    round_to_bf16,
     round_to_bf16_if,
     row_of,
     safe_gate_factors,
@@ -85,6 +84,7 @@ from kdakit.ops.kda.chunk_common import (
     store_rows,
     unit_lower_inverse_doubling,
 )
+from kdakit.ops.kda.chunk_tiles import dot_operand
 from kdakit.ops.kda.plan import CHUNK_SIZE, KDAPlan, forward_chunk_table, plan_kda
 
 MAX_HEAD_DIM = 128
@@ -207,19 +207,6 @@ def chunk_kda_fwd_intra_kernel(
 
 
 @triton.jit
-def _operand(x, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """A tl.dot operand: bf16 (rounded to nearest) with OP_BF16, else fp32."""
-    if OP_BF16:
-        if EMULATE_BF16:
-            y = round_to_bf16(x.to(tl.float32))
-        else:
-            y = x.to(tl.bfloat16)
-    else:
-        y = x.to(tl.float32)
-    return y
-
-
-@triton.jit
 def _state_step(
     S, t0, seq_len, w_base, qg_base, kd_base, a_base, uo_base, gc_base, ckpt, ck_row0, i_hv,
     scale, HV, v0, L_CKPT,
@@ -232,18 +219,18 @@ def _state_step(
             row = ck_row0 + t0 // L_CKPT
             store_matrix(ckpt + (row * HV + i_hv) * (K * V), S, V, 1, K, V, v0, BK, BV)
 
-    wt = _operand(load_rows_native(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
-    qgt = _operand(load_rows_native(qg_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
-    kdt = _operand(load_rows_native(kd_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
-    at = _operand(load_rows_native(a_base, t0, seq_len, HV * C, 0, C, C, C), OP_BF16, EMULATE_BF16)  # [C, C]
+    wt = dot_operand(load_rows_native(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
+    qgt = dot_operand(load_rows_native(qg_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
+    kdt = dot_operand(load_rows_native(kd_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
+    at = dot_operand(load_rows_native(a_base, t0, seq_len, HV * C, 0, C, C, C), OP_BF16, EMULATE_BF16)  # [C, C]
     ut = load_rows(uo_base, t0, seq_len, HV * V, v0, V, C, BV)  # [C, BV]
     c = tl.arange(0, BK)
     chunk = tl.zeros([BK], dtype=tl.int64) + t0 // C  # int64: chunks * HV * K may pass 2^31
     gct = tl.load(gc_base + chunk * (HV * K) + c, mask=c < K, other=0.0)  # [BK]
 
-    Sb = _operand(S, OP_BF16, EMULATE_BF16)  # [BK, BV]
+    Sb = dot_operand(S, OP_BF16, EMULATE_BF16)  # [BK, BV]
     vn = ut - tl.dot(wt, Sb, input_precision=DOT_PREC)  # [C, BV] = V'
-    vb = _operand(vn, OP_BF16, EMULATE_BF16)
+    vb = dot_operand(vn, OP_BF16, EMULATE_BF16)
     ot = scale * (tl.dot(qgt, Sb, input_precision=DOT_PREC) + tl.dot(at, vb, input_precision=DOT_PREC))
     store_rows(uo_base, round_to_bf16_if(ot, EMULATE_BF16), t0, seq_len, HV * V, v0, V, C, BV)
     return S * gct[:, None] + tl.dot(tl.trans(kdt), vb, input_precision=DOT_PREC)  # [BK, BV]

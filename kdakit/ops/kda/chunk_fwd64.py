@@ -20,39 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import load_matrix, load_rows, store_matrix, store_rows
-from kdakit.ops.kda.chunk_prep64 import Chunk64Options, chunk64_tables, load_rows_t, run_prep, state_strides
-from kdakit.ops.kda.chunk_tiles import CHUNK, dot_operand, load_beta, load_unit_lower, round_to_bf16_if
+from kdakit.ops.kda.chunk_common import load_matrix, store_matrix
+from kdakit.ops.kda.chunk_prep64 import Chunk64Options, chunk64_tables, run_prep, state_step, state_strides
+from kdakit.ops.kda.chunk_tiles import CHUNK
 
 STATE_NUM_WARPS = 8
 STATE_BLOCK_V = 64
-
-
-@triton.jit
-def _output_step(S, i_c, c0, v_base, b_base, o_base, w_base, kd_base, qg_base, aqk_base, tinv_base, egc, i_hv,
-                 seq_len, HV, v0, scale,
-                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, OP_BF16: tl.constexpr,
-                 EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    t0 = i_c * C
-    rows = tl.arange(0, C)
-    Ti = dot_operand(load_unit_lower(tinv_base, t0, seq_len, HV * C, C), OP_BF16, EMULATE_BF16)  # [C, C]
-    Aqk = dot_operand(tl.where(rows[:, None] >= rows[None, :], load_rows(aqk_base, t0, seq_len, HV * C, 0, C, C, C),
-                               0.0), OP_BF16, EMULATE_BF16)  # [C, C]
-    W = dot_operand(load_rows(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
-    qg = dot_operand(load_rows(qg_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
-    kdT = dot_operand(load_rows_t(kd_base, t0, seq_len, HV * K, K, C, BK), OP_BF16, EMULATE_BF16)  # [BK, C]
-    cols = tl.arange(0, BK)
-    egc_c = tl.load(egc + ((c0 + i_c) * HV + i_hv) * K + cols, mask=cols < K, other=0.0)  # [BK]
-    bt, _ = load_beta(b_base, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)
-    vt = load_rows(v_base, t0, seq_len, HV * V, v0, V, C, BV)  # [C, BV]
-    So = dot_operand(S, OP_BF16, EMULATE_BF16)
-    vn = tl.dot(Ti, dot_operand(vt * bt[:, None], OP_BF16, EMULATE_BF16), input_precision=DOT_PREC) \
-        - tl.dot(W, So, input_precision=DOT_PREC)  # V' [C, BV]
-    vno = dot_operand(vn, OP_BF16, EMULATE_BF16)
-    ot = scale * (tl.dot(qg, So, input_precision=DOT_PREC) + tl.dot(Aqk, vno, input_precision=DOT_PREC))
-    store_rows(o_base, round_to_bf16_if(ot, EMULATE_BF16), t0, seq_len, HV * V, v0, V, C, BV)
-    return S * egc_c[:, None] + tl.dot(kdT, vno, input_precision=DOT_PREC)  # [BK, BV]
 
 
 @triton.jit
@@ -89,15 +62,15 @@ def chunk_kda_fwd64_state_kernel(
         # The interpreter cannot take range() of a program-dependent bound; a while loop it can.
         i_c = 0
         while i_c < n_chunks:
-            S = _output_step(S, i_c, c0, v + tok_v, beta + bos * HV + i_hv, o + tok_v, w + tok_k, kd + tok_k,
-                             qg + tok_k, aqk + tok_c, tinv + tok_c, egc, i_hv, seq_len, HV, v0, scale, K, V, C, BK,
-                             BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
+            S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, scale, v + tok_v, beta + bos * HV + i_hv, w + tok_k,
+                           kd + tok_k, tinv + tok_c, egc, qg + tok_k, aqk + tok_c, o + tok_v, None, K, V, C, BK, BV,
+                           BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC, True, False)
             i_c += 1
     else:
         for i_c in range(0, n_chunks):
-            S = _output_step(S, i_c, c0, v + tok_v, beta + bos * HV + i_hv, o + tok_v, w + tok_k, kd + tok_k,
-                             qg + tok_k, aqk + tok_c, tinv + tok_c, egc, i_hv, seq_len, HV, v0, scale, K, V, C, BK,
-                             BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
+            S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, scale, v + tok_v, beta + bos * HV + i_hv, w + tok_k,
+                           kd + tok_k, tinv + tok_c, egc, qg + tok_k, aqk + tok_c, o + tok_v, None, K, V, C, BK, BV,
+                           BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC, True, False)
     if STORE_HT:
         store_matrix(ht + i_n.to(tl.int64) * s_ht_n + i_hv * s_ht_h, S, s_ht_k, s_ht_v, K, V, v0, BK, BV)
 

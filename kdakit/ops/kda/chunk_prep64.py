@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.ops.kda.chunk_common import block_size, gate_mode, load_rows, store_matrix, store_rows
+from kdakit.ops.kda.chunk_common import block_size, gate_mode, load_rows, round_to_bf16_if, store_matrix, store_rows
 from kdakit.ops.kda.chunk_tiles import (
     CHUNK,
     SUB,
@@ -38,7 +38,6 @@ from kdakit.ops.kda.chunk_tiles import (
     pairwise_diag_exact,
     pairwise_diag_safe,
     pairwise_offdiag,
-    round_to_bf16_if,
     store_unit_lower_inverse,
 )
 from kdakit.ops.kda.plan import host_to_device
@@ -124,6 +123,40 @@ def load_step_operands(w_base, kd_base, tinv_base, egc_row, t0, seq_len, HV, K,
     c = tl.arange(0, BK)
     egc = tl.load(egc_row + c, mask=c < K, other=0.0)
     return Ti, W, kd, egc
+
+
+@triton.jit
+def state_step(S, i_c, c0, i_hv, seq_len, HV, v0, scale, v_base, b_base, w_base, kd_base, tinv_base, egc,
+               qg_base, aqk_base, o_base, hs,
+               K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, OP_BF16: tl.constexpr,
+               EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, WRITE_O: tl.constexpr,
+               STORE_STATE: tl.constexpr):
+    """One chunk of the state recurrence for value columns ``[v0, v0 + BV)`` from the prep stage's operands:
+    ``V' = Tinv (beta v) - W S``, ``S <- exp(g_C) S + kd^T V'``; with WRITE_O also ``o = scale (qΓ S + Aqk V')``
+    (the forward), with STORE_STATE the entering S into its slot of ``hs`` (the backward). Returns the new S."""
+    t0 = i_c * C
+    row = (c0 + i_c) * HV + i_hv
+    if STORE_STATE:
+        store_matrix(hs + row * (K * V), round_to_bf16_if(S, EMULATE_BF16), V, 1, K, V, v0, BK, BV)
+    Ti = dot_operand(load_unit_lower(tinv_base, t0, seq_len, HV * C, C), OP_BF16, EMULATE_BF16)  # [C, C]
+    W = dot_operand(load_rows(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
+    kdT = dot_operand(load_rows_t(kd_base, t0, seq_len, HV * K, K, C, BK), OP_BF16, EMULATE_BF16)  # [BK, C]
+    cols = tl.arange(0, BK)
+    egc_c = tl.load(egc + row * K + cols, mask=cols < K, other=0.0)  # [BK]
+    bt, _ = load_beta(b_base, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)
+    vt = load_rows(v_base, t0, seq_len, HV * V, v0, V, C, BV)  # [C, BV]
+    So = dot_operand(S, OP_BF16, EMULATE_BF16)
+    vn = dot_operand(tl.dot(Ti, dot_operand(vt * bt[:, None], OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)
+                     - tl.dot(W, So, input_precision=DOT_PREC), OP_BF16, EMULATE_BF16)  # V' [C, BV]
+    if WRITE_O:
+        rows = tl.arange(0, C)
+        Aqk = dot_operand(tl.where(rows[:, None] >= rows[None, :],
+                                   load_rows(aqk_base, t0, seq_len, HV * C, 0, C, C, C), 0.0), OP_BF16, EMULATE_BF16)
+        qg = dot_operand(load_rows(qg_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
+        ot = scale * (tl.dot(qg, So, input_precision=DOT_PREC) + tl.dot(Aqk, vn, input_precision=DOT_PREC))
+        store_rows(o_base, round_to_bf16_if(ot, EMULATE_BF16), t0, seq_len, HV * V, v0, V, C, BV)
+    return S * egc_c[:, None] + tl.dot(kdT, vn, input_precision=DOT_PREC)  # [BK, BV]
 
 
 # ---------------------------------------------------------------------------------------

@@ -32,7 +32,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import load_rows, pairwise_exact, round_to_bf16, round_to_bf16_if  # noqa: F401
+from kdakit.ops.kda.chunk_common import (
+    beta_activation,
+    gate_log_decay,
+    l2norm_rows_bwd,
+    load_row_scalars,
+    load_rows,
+    pairwise_exact,
+    round_to_bf16,
+)
 
 CHUNK = 64  # tokens per chunk (C)
 SUB = 16  # tokens per sub-chunk (the pairwise matrices' numerically safe block)
@@ -274,15 +282,6 @@ def pairwise_diag_exact_bwd(dA, x_base, y_base, rx, ry, g_base, bias_ptr, t0, n_
 
 
 @triton.jit
-def _softplus(x):
-    big = x > 20.0
-    small = x < -15.0
-    xs = tl.where(big | small, 0.0, x)  # keep exp() of the unused branch finite
-    mid = tl.log(1.0 + tl.exp(xs))
-    return tl.where(big, x, tl.where(small, tl.exp(tl.minimum(x, 0.0)), mid))
-
-
-@triton.jit
 def gate_preact(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, stride_bias,
                 BR: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
     """``x = g + dt_bias`` ``[BR, BC]`` fp32 (dt_bias read through its element stride)."""
@@ -297,13 +296,9 @@ def gate_preact(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, stride_bias,
 @triton.jit
 def gate_from_preact(x, t0, n_rows, col0, K, expA, lower_bound,
                      BR: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr):
-    """Log-decay from the pre-activation, clamped to >= -110 and exactly 0 on padded rows/columns."""
-    if GATE == 1:
-        a = -expA * _softplus(x)
-    elif GATE == 2:
-        a = lower_bound * tl.sigmoid(expA * x)
-    else:
-        a = x
+    """Log-decay from the pre-activation, clamped to >= -110 (LOG_DECAY_FLOOR) and exactly 0 on padded
+    rows/columns."""
+    a = gate_log_decay(x, expA, lower_bound, GATE)
     r = t0 + tl.arange(0, BR)
     c = col0 + tl.arange(0, BC)
     mask = (r < n_rows)[:, None] & (c < K)[None, :]
@@ -341,26 +336,8 @@ def load_beta(b_base, t0, n_rows, stride_b, BR: tl.constexpr, BETA_SIGMOID: tl.c
               NEG_EIGVAL: tl.constexpr):
     """(activated beta, raw beta) ``[BR]``, both 0 on padded rows."""
     r = t0 + tl.arange(0, BR)
-    raw = tl.load(b_base + r.to(tl.int64) * stride_b, mask=r < n_rows, other=0.0).to(tl.float32)
-    if BETA_SIGMOID:
-        b = tl.sigmoid(raw)
-        if NEG_EIGVAL:
-            b = 2.0 * b
-    else:
-        b = raw
-    return tl.where(r < n_rows, b, 0.0), raw
-
-
-@triton.jit
-def beta_bwd(db, raw, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
-    if BETA_SIGMOID:
-        s = tl.sigmoid(raw)
-        d = db * s * (1.0 - s)
-        if NEG_EIGVAL:
-            d = 2.0 * d
-    else:
-        d = db
-    return d
+    raw = load_row_scalars(b_base, t0, n_rows, stride_b, BR)
+    return tl.where(r < n_rows, beta_activation(raw, BETA_SIGMOID, NEG_EIGVAL), 0.0), raw
 
 
 @triton.jit
@@ -377,7 +354,7 @@ def load_unit_rows(base, t0, n_rows, stride_row, K, BR: tl.constexpr, BK: tl.con
 @triton.jit
 def l2norm_bwd(dxn, xn, rstd, USE_L2NORM: tl.constexpr):
     if USE_L2NORM:
-        d = rstd[:, None] * (dxn - xn * tl.sum(dxn * xn, axis=1)[:, None])
+        d = l2norm_rows_bwd(dxn, xn, rstd)
     else:
         d = dxn
     return d
