@@ -54,6 +54,7 @@ from kdakit.ops.kda.chunk_common import (
     store_rows,
 )
 from kdakit.ops.kda.chunk_prep64 import (
+    locate_sequence,
     EXACT_KEY_SLICE,
     Chunk64Options,
     bias_row,
@@ -148,15 +149,7 @@ def chunk_kda_bwd_states_kernel(
     role = tl.program_id(2)
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # global index of the sequence's first chunk
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-        c0 = i_n.to(tl.int64) * NTS
-    seq_len = (eos - bos).to(tl.int32)
+    bos, seq_len, c0 = locate_sequence(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN)
     v0 = i_v * BV
     v_base = v + (bos * HV + i_hv) * V
     b_base = beta + bos * HV + i_hv

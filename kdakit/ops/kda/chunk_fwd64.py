@@ -21,7 +21,14 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import load_matrix, store_matrix
-from kdakit.ops.kda.chunk_prep64 import Chunk64Options, chunk64_tables, run_prep, state_step, state_strides
+from kdakit.ops.kda.chunk_prep64 import (
+    Chunk64Options,
+    chunk64_tables,
+    locate_sequence,
+    run_prep,
+    state_step,
+    state_strides,
+)
 from kdakit.ops.kda.chunk_tiles import CHUNK
 
 STATE_NUM_WARPS = 8
@@ -41,15 +48,7 @@ def chunk_kda_fwd64_state_kernel(
     i_v = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)  # global index of the sequence's first chunk
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-        c0 = i_n.to(tl.int64) * NTS
-    seq_len = (eos - bos).to(tl.int32)
+    bos, seq_len, c0 = locate_sequence(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN)
     v0 = i_v * BV
     tok_k = (bos * HV + i_hv) * K
     tok_v = (bos * HV + i_hv) * V

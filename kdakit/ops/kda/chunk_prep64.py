@@ -25,7 +25,15 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.ops.kda.chunk_common import block_size, gate_mode, load_rows, round_to_bf16_if, store_matrix, store_rows
+from kdakit.ops.kda.chunk_common import (
+    block_size,
+    gate_mode,
+    load_rows,
+    round_to_bf16_if,
+    seq_bounds,
+    store_matrix,
+    store_rows,
+)
 from kdakit.ops.kda.chunk_tiles import (
     CHUNK,
     SUB,
@@ -66,6 +74,17 @@ def locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C: tl.constexpr, IS_VARLE
         bos = i_n * T
         eos = bos + T
     return bos, (eos - bos).to(tl.int32), i_c * C
+
+
+@triton.jit
+def locate_sequence(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN: tl.constexpr):
+    """Sequence i_n -> (bos int64, length int32, global index of its first chunk int64)."""
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    if IS_VARLEN:
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        c0 = i_n.to(tl.int64) * NTS
+    return bos, (eos - bos).to(tl.int32), c0
 
 
 @triton.jit
