@@ -31,7 +31,7 @@
 #   end      ~3 s           chunk_vs_fla.json (SPEC join + sweep join), autotune_new.json, triton_autotune.tgz
 #
 #   bash benchmarks/run_gpu.sh [STAGE ...]   stages run in the order given:
-#       env warm chunk fla sweep profile tests recurrent tune tunecompile flawarm wait
+#       env warm chunk fla sweep profile chunk64 tests recurrent tune tunecompile flawarm wait
 #       (default: env warm chunk fla sweep profile tests)
 #   env       env.json (GPU, torch, triton, CUDA, FLA, python, git sha, date)
 #   warm      the correctness gate (gate.json) in the foreground; in the background FLA's
@@ -42,6 +42,8 @@
 #   fla       FLA 0.6.0 at FLA_SHAPES
 #   sweep     kdakit and FLA at SWEEP_SHAPES (SWEEP_PROCESS=shared|fresh, SWEEP_REPS, SWEEP_TIMING_RUNS)
 #   profile   per-kernel CUDA time of kdakit's forward and backward (profile_chunk.py, PROFILE_SHAPES)
+#   chunk64   the experimental 64-token pipeline at 1x8192:96 (dev_chunk_gpu.py; CHUNK64_ARGS, default
+#             --skip-accuracy; pass "--gates safe" to add its accuracy check, ~40 s)
 #   tests     the GPU test tier (tests marked gpu; GPU_TESTS)
 #   recurrent decode and recurrent fwd+bwd benchmark (bench_recurrent.py)
 #   tune      launch-config sweep of the windowed backward (tune_windowed.py); tunecompile only
@@ -216,6 +218,14 @@ stage_profile() {
     return "${PIPESTATUS[0]}"
 }
 
+stage_chunk64() {
+    # the experimental 64-token pipeline (KDAKIT_CHUNK_PIPELINE=chunk64): per-kernel times and step times
+    # shellcheck disable=SC2086
+    timeout -k 5 "$1" python3 benchmarks/dev_chunk_gpu.py --out "$OUT/chunk64_dev.json" \
+        ${CHUNK64_ARGS:---skip-accuracy} 2>&1 | tee -a "$OUT/run.log"
+    return "${PIPESTATUS[0]}"
+}
+
 stage_tests() {
     # shellcheck disable=SC2086
     KDAKIT_TEST_TIER=gpu timeout -k 5 "$1" python3 -m pytest -q -m gpu -rs -x ${GPU_TESTS:-tests/gpu} 2>&1 \
@@ -256,7 +266,7 @@ stage_wait() {
     return 0
 }
 
-declare -A DEFAULT_LIMIT=([env]=10 [warm]=160 [chunk]=100 [fla]=150 [sweep]=80 [profile]=20 [tests]=rest
+declare -A DEFAULT_LIMIT=([env]=10 [warm]=160 [chunk]=100 [fla]=150 [sweep]=80 [profile]=20 [chunk64]=150 [tests]=rest
                           [recurrent]=100 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest)
 for s in "${stages[@]}"; do
     if [ -z "${DEFAULT_LIMIT[$s]+x}" ]; then
