@@ -422,3 +422,10 @@ def test_naive_rejects_unknown_arguments():
     inp = make_kda_inputs(T=4, H=1, K=16, V=16, dtype=torch.float64, gate="safe")
     with pytest.raises(TypeError):
         naive_recurrent_kda(**inp["tensors"], **inp["kwargs"], use_qk_l2norm=True)
+
+
+def test_several_value_blocks_with_final_state_gradient(triton_backend):
+    # V = 64 spans two 32-column blocks of the backward kernels, with a final-state cotangent (dht): the
+    # per-block partial sums are indexed by the grid (N * HV programs on axis 0, value blocks on axis 1)
+    inp = _inputs(31, B=2, T=5, H=2, HV=4, K=16, V=64, gate="safe", initial_state="kv")
+    _check_against_naive(inp)

@@ -309,6 +309,23 @@ def test_decode_real_shapes(pool_dtype, T):
     assert torch.equal(o[padded], torch.zeros_like(o[padded]))
 
 
+def test_decode_large_batch():
+    # N * HV = 131072 programs: more than grid axis 1 holds (65535); they sit on axis 0
+    N, P = 4096, 4096
+    t, kw = _decode_inputs(12, N, 1)
+    pool = (0.3 * torch.randn(P, 32, 128, 128, device=DEV)).to(torch.bfloat16)
+    idx = torch.randperm(P, device=DEV)[:N].to(torch.int32)
+    ref_pool = pool.clone()
+    o = _decode(t, kw, pool, idx)
+    ref_o = torch.empty_like(o)
+    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, None, ref_o,
+                         A_log=t["A_log"], dt_bias=t["dt_bias"], scale=128 ** -0.5, cu_seqlens=None, N=N,
+                         lower_bound=kw["lower_bound"], use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                         use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False)
+    assert_close("o", ref_o, o, 1e-2)
+    assert_close("pool", ref_pool.float(), pool.float(), 1e-2)
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_decode_multi_token_equals_single_steps_bitwise(pool_dtype):
     t, kw = _decode_inputs(11, 16, 3)

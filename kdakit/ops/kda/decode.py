@@ -25,7 +25,7 @@ round-to-nearest-even, as if stored), the output ``o_t`` is computed from that r
 state, and the state is written back once per call (per token with per-token rows). So
 an S-token step gives the same bits as S one-token steps. An fp32 pool is never rounded.
 
-Kernel: grid ``(cdiv(V, BV), N * HV)``; each program moves a ``[BV, K]`` tile of one state
+Kernel: grid ``(N * HV, cdiv(V, BV))``; each program moves a ``[BV, K]`` tile of one state
 (read once, written once per step), so a step moves ``2 * N * HV * V * K`` state elements.
 """
 
@@ -83,8 +83,8 @@ def _kda_decode_kernel(
     IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
 ):
-    i_v = tl.program_id(0).to(tl.int64)
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)  # N * HV on axis 0: axes 1 and 2 hold at most 65535 programs
+    i_v = tl.program_id(1).to(tl.int64)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
@@ -157,7 +157,7 @@ def launch_kda_decode(q, k, v, g, beta, state_pool, state_indices, num_accepted_
     BV = min(triton.next_power_of_2(V), block_v)
     per_token = state_indices.dim() == 2
     dummy = state_indices
-    _kda_decode_kernel[(triton.cdiv(V, BV), N * HV)](
+    _kda_decode_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta,
         A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         state_pool, state_indices, num_accepted_tokens if num_accepted_tokens is not None else dummy, o,

@@ -10,7 +10,7 @@ Per sequence, value head and token (SPEC §2; state ``S`` is ``[K, V]``, fp32)::
 with ``q_t, k_t`` l2-normalized, ``a_t`` the gate and ``beta_t`` the (sigmoid) beta when
 the in-kernel options ask for it.
 
-Kernel layout: grid ``(cdiv(V, BV), N * HV)``; each program keeps ``S[:, v-block]`` as a
+Kernel layout: grid ``(N * HV, cdiv(V, BV))``; each program keeps ``S[:, v-block]`` as a
 ``[BK, BV]`` fp32 tile in registers (``BK = next_pow2(K)``, so K <= 256) and walks its
 sequence's tokens. V columns evolve independently, so programs never communicate. Token
 tensors are read in FLA's token-major layout (``q [B, T, H, K]``...); states in either
@@ -177,8 +177,8 @@ def _recurrent_fwd_kernel(
     IS_VARLEN: tl.constexpr, STATE_V_FIRST: tl.constexpr, L2NORM: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
 ):
-    i_v = tl.program_id(0).to(tl.int64)
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)  # N * HV on axis 0: axes 1 and 2 hold at most 65535 programs
+    i_v = tl.program_id(1).to(tl.int64)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
@@ -251,7 +251,7 @@ def launch_recurrent_forward(
     HV, V = v.shape[2], v.shape[3]
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), block_v)
-    grid = (triton.cdiv(V, BV), N * HV)
+    grid = (N * HV, triton.cdiv(V, BV))
     gate = gate_mode(use_gate_in_kernel, lower_bound)
     dummy = q  # pointer for absent optional tensors; never dereferenced (constexpr flags)
     _recurrent_fwd_kernel[grid](

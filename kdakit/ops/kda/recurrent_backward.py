@@ -17,7 +17,7 @@ from ``rowsum(dS_{t-1} * S_{t-1}) = da_t + q_{t-1} * dq_{t-1}``)::
 
 so no pass needs the state and its adjoint at the same token. Three passes over the
 tokens, each a program per ``(V-block, sequence, value head)`` holding one ``[BK, BV]``
-fp32 tile (grid ``(cdiv(V, BV), N * HV)``):
+fp32 tile (grid ``(N * HV, cdiv(V, BV))``):
 
 1. replay (forward kernel of ``fused_recurrent.py`` with ``STORE_U``): ``u_t``;
 2. reverse: ``dS`` from ``dht`` back to ``dh0``; writes ``dv``, ``du_t`` (over ``u_t``), ``X_t``;
@@ -131,8 +131,8 @@ def _recurrent_bwd_reverse_kernel(
     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
 ):
     """Pass 2: dS backwards through the tokens. Reads u_t from ``ud`` and overwrites it with du_t."""
-    i_v = tl.program_id(0).to(tl.int64)
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)  # N * HV on axis 0: axes 1 and 2 hold at most 65535 programs
+    i_v = tl.program_id(1).to(tl.int64)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
@@ -189,8 +189,8 @@ def _recurrent_bwd_replay_kernel(
     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
 ):
     """Pass 3: the forward again, with du_t and X_t from pass 2; V-block partials of dq, dk, Z, dbeta."""
-    i_v = tl.program_id(0).to(tl.int64)
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)  # N * HV on axis 0: axes 1 and 2 hold at most 65535 programs
+    i_v = tl.program_id(1).to(tl.int64)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
@@ -241,7 +241,7 @@ def _recurrent_bwd_replay_kernel(
 
     if HAS_DHT:
         b_dht = tl.load(dht + state_base + offs_s, mask=mask_s, other=0.0).to(tl.float32)
-        tl.store(term_part + ((i_v * (tl.num_programs(1) // HV) + i_n) * HV + i_hv) * K + offs_k,
+        tl.store(term_part + ((i_v * (tl.num_programs(0) // HV) + i_n) * HV + i_hv) * K + offs_k,
                  tl.sum(b_dht * S, axis=1), mask=mask_k)
 
 
@@ -437,7 +437,7 @@ def launch_recurrent_backward(
     cu = cu_seqlens if cu_seqlens is not None else dummy
     flags = dict(IS_VARLEN=cu_seqlens is not None, STATE_V_FIRST=state_v_first, L2NORM=use_qk_l2norm_in_kernel,
                  GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, BETA=bmode)
-    grid = (NV, N * HV)
+    grid = (N * HV, NV)
 
     # 1. replay: u_t
     launch_recurrent_forward(
