@@ -1,6 +1,6 @@
-"""Development check of the experimental 64-token backward (KDAKIT_CHUNK_PIPELINE=chunk64) on the GPU: accuracy against the float64 chunked
-reference at real head sizes, then per-kernel CUDA times and step times at one shape, for a few
-launch configurations of the backward.
+"""Development check of the experimental 64-token pipeline (KDAKIT_CHUNK_PIPELINE=chunk64) on the GPU:
+accuracy against the float64 chunked reference at real head sizes, then per-kernel CUDA times and step
+times at one shape, for a few launch configurations.
 
 Usage: python benchmarks/dev_chunk_gpu.py --out dev.json [--shape 1x8192:96] [--variants grads=8,states=4;grads=4]
 """
@@ -9,24 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
 
-
-
-def protocol_inputs(mbs: int, seq: int, heads: int, d: int = 128, seed: int = 0):
-    """SPEC §3 inputs: bf16, raw gate and beta, fp32 A_log / dt_bias, equal packed sequences, dO."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    T = mbs * seq
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
-    x = dict(q=r(1, T, heads, d), k=r(1, T, heads, d), v=r(1, T, heads, d), g=r(1, T, heads, d), beta=r(1, T, heads))
-    for t in x.values():
-        t.requires_grad_(True)
-    A_log = torch.randn(heads, device="cuda", generator=g).mul_(0.3).requires_grad_(True)
-    dt_bias = torch.randn(heads * d, device="cuda", generator=g).mul_(0.3).requires_grad_(True)
-    cu = torch.arange(0, T + 1, seq, device="cuda", dtype=torch.int64)
-    return x, A_log, dt_bias, cu, r(1, T, heads, d)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_chunk import protocol_inputs  # noqa: E402  (the protocol's inputs, shared with the profiler)
 
 
 def accuracy(gate: str, T_lens, H: int, seed: int = 0) -> dict:
