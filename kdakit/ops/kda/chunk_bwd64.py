@@ -64,7 +64,8 @@ from kdakit.ops.kda.chunk_prep64 import (
     load_step_operands,
     locate_chunk,
     run_prep,
-    state_step,
+    state_recurrence,
+    state_row,
     state_strides,
 )
 from kdakit.ops.kda.chunk_tiles import (
@@ -159,22 +160,9 @@ def chunk_kda_bwd_states_kernel(
     n_chunks = tl.cdiv(seq_len, C)
 
     if role == 0:
-        S = tl.zeros([BK, BV], dtype=tl.float32)  # state columns [v0, v0 + BV), K-major
-        if HAS_H0:
-            S = load_matrix(h0 + i_n.to(tl.int64) * s_h0_n + i_hv * s_h0_h, s_h0_k, s_h0_v, K, V, v0, BK, BV)
-        if LOOP_WHILE:
-            # The interpreter cannot take range() of a program-dependent bound; a while loop it can.
-            i_c = 0
-            while i_c < n_chunks:
-                S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, 1.0, v_base, b_base, w_base, kd_base, tinv_base,
-                               egc, None, None, None, hs, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16,
-                               EMULATE_BF16, DOT_PREC, False, True)
-                i_c += 1
-        else:
-            for i_c in range(0, n_chunks):
-                S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, 1.0, v_base, b_base, w_base, kd_base, tinv_base,
-                               egc, None, None, None, hs, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16,
-                               EMULATE_BF16, DOT_PREC, False, True)
+        state_recurrence(state_row(h0, i_n, i_hv, s_h0_n, s_h0_h, HAS_H0), s_h0_k, s_h0_v, c0, i_hv, seq_len, HV, v0,
+                         1.0, v_base, b_base, w_base, kd_base, tinv_base, egc, None, None, None, hs, K, V, C, BK, BV,
+                         BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC, False, True, HAS_H0, LOOP_WHILE)
     else:
         dS = tl.zeros([BK, BV], dtype=tl.float32)
         if HAS_DHT:

@@ -20,13 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import load_matrix, store_matrix
+from kdakit.ops.kda.chunk_common import store_matrix
 from kdakit.ops.kda.chunk_prep64 import (
     Chunk64Options,
     chunk64_tables,
     locate_sequence,
     run_prep,
-    state_step,
+    state_recurrence,
+    state_row,
     state_strides,
 )
 from kdakit.ops.kda.chunk_tiles import CHUNK
@@ -53,23 +54,10 @@ def chunk_kda_fwd64_state_kernel(
     tok_k = (bos * HV + i_hv) * K
     tok_v = (bos * HV + i_hv) * V
     tok_c = (bos * HV + i_hv) * C
-    n_chunks = tl.cdiv(seq_len, C)
-    S = tl.zeros([BK, BV], dtype=tl.float32)  # state columns [v0, v0 + BV), K-major
-    if HAS_H0:
-        S = load_matrix(h0 + i_n.to(tl.int64) * s_h0_n + i_hv * s_h0_h, s_h0_k, s_h0_v, K, V, v0, BK, BV)
-    if LOOP_WHILE:
-        # The interpreter cannot take range() of a program-dependent bound; a while loop it can.
-        i_c = 0
-        while i_c < n_chunks:
-            S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, scale, v + tok_v, beta + bos * HV + i_hv, w + tok_k,
-                           kd + tok_k, tinv + tok_c, egc, qg + tok_k, aqk + tok_c, o + tok_v, None, K, V, C, BK, BV,
-                           BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC, True, False)
-            i_c += 1
-    else:
-        for i_c in range(0, n_chunks):
-            S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, scale, v + tok_v, beta + bos * HV + i_hv, w + tok_k,
-                           kd + tok_k, tinv + tok_c, egc, qg + tok_k, aqk + tok_c, o + tok_v, None, K, V, C, BK, BV,
-                           BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC, True, False)
+    S = state_recurrence(state_row(h0, i_n, i_hv, s_h0_n, s_h0_h, HAS_H0), s_h0_k, s_h0_v, c0, i_hv, seq_len, HV, v0,
+                         scale, v + tok_v, beta + bos * HV + i_hv, w + tok_k, kd + tok_k, tinv + tok_c, egc,
+                         qg + tok_k, aqk + tok_c, o + tok_v, None, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16,
+                         EMULATE_BF16, DOT_PREC, True, False, HAS_H0, LOOP_WHILE)
     if STORE_HT:
         store_matrix(ht + i_n.to(tl.int64) * s_ht_n + i_hv * s_ht_h, S, s_ht_k, s_ht_v, K, V, v0, BK, BV)
 

@@ -28,6 +28,7 @@ from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.ops.kda.chunk_common import (
     block_size,
     gate_mode,
+    load_matrix,
     load_rows,
     round_to_bf16_if,
     seq_bounds,
@@ -176,6 +177,44 @@ def state_step(S, i_c, c0, i_hv, seq_len, HV, v0, scale, v_base, b_base, w_base,
         ot = scale * (tl.dot(qg, So, input_precision=DOT_PREC) + tl.dot(Aqk, vn, input_precision=DOT_PREC))
         store_rows(o_base, round_to_bf16_if(ot, EMULATE_BF16), t0, seq_len, HV * V, v0, V, C, BV)
     return S * egc_c[:, None] + tl.dot(kdT, vn, input_precision=DOT_PREC)  # [BK, BV]
+
+
+@triton.jit
+def state_row(base, i_n, i_hv, s_n, s_h, PRESENT: tl.constexpr):
+    """Sequence i_n, value head i_hv of a state tensor (the pointer itself when the tensor is absent)."""
+    if PRESENT:
+        p = base + i_n.to(tl.int64) * s_n + i_hv * s_h
+    else:
+        p = base
+    return p
+
+
+@triton.jit
+def state_recurrence(h0_base, s_h0_k, s_h0_v, c0, i_hv, seq_len, HV, v0, scale, v_base, b_base, w_base, kd_base,
+                     tinv_base, egc, qg_base, aqk_base, o_base, hs,
+                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, OP_BF16: tl.constexpr,
+                     EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, WRITE_O: tl.constexpr,
+                     STORE_STATE: tl.constexpr, HAS_H0: tl.constexpr, LOOP_WHILE: tl.constexpr):
+    """Walk one sequence's chunks with state_step from h0 (or zeros); returns the final state ``[BK, BV]``."""
+    S = tl.zeros([BK, BV], dtype=tl.float32)  # state columns [v0, v0 + BV), K-major
+    if HAS_H0:
+        S = load_matrix(h0_base, s_h0_k, s_h0_v, K, V, v0, BK, BV)
+    n_chunks = tl.cdiv(seq_len, C)
+    if LOOP_WHILE:
+        # The interpreter cannot take range() of a program-dependent bound; a while loop it can.
+        i_c = 0
+        while i_c < n_chunks:
+            S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, scale, v_base, b_base, w_base, kd_base, tinv_base, egc,
+                           qg_base, aqk_base, o_base, hs, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16,
+                           EMULATE_BF16, DOT_PREC, WRITE_O, STORE_STATE)
+            i_c += 1
+    else:
+        for i_c in range(0, n_chunks):
+            S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, scale, v_base, b_base, w_base, kd_base, tinv_base, egc,
+                           qg_base, aqk_base, o_base, hs, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16,
+                           EMULATE_BF16, DOT_PREC, WRITE_O, STORE_STATE)
+    return S
 
 
 # ---------------------------------------------------------------------------------------
