@@ -17,13 +17,14 @@ import kdakit.ops.kda.chunk_bwd64 as M
 import kdakit.ops.kda.chunk_fwd64 as F
 import kdakit.ops.kda.chunk_prep64 as P
 
-TOK = {"q", "k", "v", "g", "beta", "do", "o", "dq", "dk", "dv", "dg", "dbeta", "tinv", "hs", "dhs", "w", "kd", "aqk",
+TOK = {"q", "k", "v", "g", "beta", "do", "o", "u", "dq", "dk", "dv", "dg", "dbeta", "tinv", "hs", "dhs", "w", "kd", "aqk",
        "akk", "qg"}
+UNALIGNED = {"stride_alog", "stride_bias", "seq_len"}  # element strides of 1
 F32_EXTRA = {"inter", "dA2", "db_buf", "dgc_buf"}
-F32 = {"A_log", "dt_bias", "dA_part", "dbias_part", "h0", "ht", "dht", "dh0", "egc"}
+F32 = {"scratch", "A_log", "dt_bias", "dA_part", "dbias_part", "h0", "ht", "dht", "dh0", "egc"}
 
 
-def build(fn, const, warps):
+def build(fn, const, warps, stages=1):
     sig = {}
     for n in fn.arg_names:
         if n in const:
@@ -40,8 +41,13 @@ def build(fn, const, warps):
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+    # What the JIT specializes at the SPEC shapes (H, HV, T and token strides multiples of 16, tensors 16-byte
+    # aligned): without these hints nothing vectorizes and the register counts are not the GPU's.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in const and n not in UNALIGNED and sig[n] != "fp32"}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                    attrs=attrs)
+    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     ptx = kern.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as d:
@@ -52,7 +58,7 @@ def build(fn, const, warps):
                              capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", rep)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
-    print(f"{fn.__name__}: warps {warps}, registers {regs.group(1) if regs else '?'}, "
+    print(f"{fn.__name__}: warps {warps}, stages {stages}, registers {regs.group(1) if regs else '?'}, "
           f"spill stores/loads {spill.group(1) + '/' + spill.group(2) if spill else '?'} B, "
           f"wgmma {len(re.findall('wgmma.mma_async', ptx))}, mma.sync {len(re.findall(r' mma.sync', ptx))}")
     return kern
@@ -64,9 +70,14 @@ def main():
     ap.add_argument("--warps-states", type=int, default=M.STATES_NUM_WARPS)
     ap.add_argument("--warps-prep", type=int, default=P.PREP_NUM_WARPS)
     ap.add_argument("--safe", type=int, default=1)
-    ap.add_argument("--only", default="prep,states,grads,pair,fwd")
+    ap.add_argument("--only", default="prep,states,grads,pair,fwd,intra")
     ap.add_argument("--warps-pair", type=int, default=M.PAIR_NUM_WARPS)
     ap.add_argument("--states-bv", type=int, default=M.STATES_BLOCK_V)
+    ap.add_argument("--warps-fwd", type=int, default=F.STATE_NUM_WARPS)
+    ap.add_argument("--fwd-bv", type=int, default=F.STATE_BLOCK_V)
+    ap.add_argument("--fwd-stages", type=int, default=F.STATE_NUM_STAGES)
+    ap.add_argument("--warps-intra", type=int, default=F.INTRA_NUM_WARPS)
+    ap.add_argument("--intra-bk", type=int, default=F.INTRA_BLOCK_K)
     a = ap.parse_args()
     c = dict(K=128, V=128, C=64, GATE=2, HAS_A_LOG=True, HAS_BIAS=True, USE_L2NORM=True, BETA_SIGMOID=True,
              NEG_EIGVAL=False, IS_VARLEN=True, OP_BF16=True, EMULATE_BF16=False, DOT_PREC="tf32")
@@ -80,10 +91,12 @@ def main():
         build(M.chunk_kda_bwd_states_kernel, dict(sc, BK=128, BV=a.states_bv, HAS_H0=False, HAS_DHT=False,
                                                   STORE_DH0=False, LOOP_WHILE=False), a.warps_states)
     if "fwd" in only:
-        fc = {n: c[n] for n in ("K", "V", "C", "BETA_SIGMOID", "NEG_EIGVAL", "IS_VARLEN", "OP_BF16", "EMULATE_BF16",
-                                "DOT_PREC")}
-        build(F.chunk_kda_fwd64_state_kernel, dict(fc, BK=128, BV=F.STATE_BLOCK_V, HAS_H0=False, STORE_HT=False,
-                                                    LOOP_WHILE=False), F.STATE_NUM_WARPS)
+        fc = {n: c[n] for n in ("K", "V", "C", "IS_VARLEN", "OP_BF16", "EMULATE_BF16", "DOT_PREC")}
+        build(F.chunk_kda_fwd64_state_kernel, dict(fc, BK=128, BV=a.fwd_bv, HAS_H0=False, STORE_HT=False,
+                                                    LOOP_WHILE=False), a.warps_fwd, a.fwd_stages)
+    if "intra" in only:
+        build(F.chunk_kda_fwd64_intra_kernel, dict(c, SUBC=16, BK=a.intra_bk, BKF=128, BV=64, BKS=16,
+                                                    SAFE=bool(a.safe)), a.warps_intra)
     if "grads" in only:
         gc = {n: c[n] for n in c if n != "SAFE"}
         build(M.chunk_kda_bwd_state_grads_kernel, dict(gc, BK=128, BV=128, BVS=M.GRADS_BLOCK_V), a.warps_grads)

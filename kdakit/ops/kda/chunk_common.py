@@ -87,10 +87,12 @@ def load_rows(base, t0, n_rows, stride_row, col0, n_cols, BR: tl.constexpr, BC: 
     base: pointer to row 0, column 0 (already offset to sequence start and head).
     Rows ``>= n_rows`` and columns ``>= n_cols`` read as 0. Returns ``[BR, BC]`` fp32.
     """
-    r = t0 + tl.arange(0, BR)  # [BR]
+    # int64 scalar to the tile's first row, int32 offsets inside it (a [BR, BC] int64 pointer tile costs two
+    # registers per element; sm_90a register counts dropped with this)
+    rl = tl.arange(0, BR)  # [BR]
     c = col0 + tl.arange(0, BC)  # [BC]
-    mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
-    ptrs = base + r.to(tl.int64)[:, None] * stride_row + c[None, :]
+    mask = (t0 + rl < n_rows)[:, None] & (c < n_cols)[None, :]
+    ptrs = (base + t0.to(tl.int64) * stride_row) + (rl[:, None] * stride_row + c[None, :])
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)  # [BR, BC]
 
 
@@ -100,10 +102,10 @@ def store_rows(base, x, t0, n_rows, stride_row, col0, n_cols, BR: tl.constexpr, 
 
     The value is cast to the pointer's element type (one rounding, from fp32).
     """
-    r = t0 + tl.arange(0, BR)
+    rl = tl.arange(0, BR)
     c = col0 + tl.arange(0, BC)
-    mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
-    ptrs = base + r.to(tl.int64)[:, None] * stride_row + c[None, :]
+    mask = (t0 + rl < n_rows)[:, None] & (c < n_cols)[None, :]
+    ptrs = (base + t0.to(tl.int64) * stride_row) + (rl[:, None] * stride_row + c[None, :])
     tl.store(ptrs, x.to(base.dtype.element_ty), mask=mask)
 
 
