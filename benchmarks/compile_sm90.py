@@ -95,7 +95,7 @@ def main():
         build(F.chunk_kda_fwd64_state_kernel, dict(fc, BK=128, BV=a.fwd_bv, HAS_H0=False, STORE_HT=False,
                                                     LOOP_WHILE=False), a.warps_fwd, a.fwd_stages)
     if "intra" in only:
-        build(F.chunk_kda_fwd64_intra_kernel, dict(c, SUM_PREC="tf32x3", SUBC=16, BK=a.intra_bk, BKF=128, BV=64, BKS=16,
+        build(F.chunk_kda_fwd64_intra_kernel, dict(c, SUBC=16, BK=a.intra_bk, BKF=128, BV=64, BKS=16,
                                                     SAFE=bool(a.safe)), a.warps_intra)
     if "grads" in only:
         gc = {n: c[n] for n in c if n != "SAFE"}

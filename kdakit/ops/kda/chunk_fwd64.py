@@ -25,6 +25,14 @@ fp32 scratch ``[chunks, HV, C, C]`` (the bytes of one more ``[B, T, HV, K]`` bf1
 exp(g_C) fp32 ``[chunks, HV, K]``: 1.15 KB per token and value head at K = V = 128 in bf16, which the
 backward's dq, dk, dv, dg (same sizes) reuse. Saves nothing for the backward (it recomputes).
 
+Measured (H200, 1 x 8K H96, SPEC §3 flags, ``benchmarks/dev_intra64.py`` and ``dev_chunk_gpu.py``; results in
+``benchmarks/results/chunk64_dev_h200.json``): state kernel 0.67 ms (5.3 us a step; the 16-token forward's
+state kernel takes 0.95 ms), intra kernel 5.0 ms, of which the inverse 1.5 ms; FLA 0.6.0 does the same
+intra work in ~1.7 ms. So this forward (5.7 ms of kernels) is slower than the default one (2.75 ms) until
+the intra kernel is: it runs at 255 registers, one 8-warp program per SM, and its steps (row extractions,
+the 15-step substitution, barriers) are latency that nothing else on the SM hides. Forming the sub-chunk
+references as 0/+-1 dots with tf32x3 instead of row extractions measured 13.5 ms (not kept).
+
 Gates: SAFE (log-decay >= -5: one dot per matrix for the diagonal blocks) or EXACT (any gate: per-pair
 exponentials on the diagonal blocks, ``chunk_tiles.pairwise_diag_exact``). Layouts as ``chunk_fwd.py``.
 """
@@ -54,11 +62,12 @@ from kdakit.ops.kda.chunk_tiles import (
     load_beta,
     load_gate,
     pairwise_diag_exact,
+    take_row,
 )
 
-INTRA_NUM_WARPS = 8
-INTRA_BLOCK_K = 64
-STATE_NUM_WARPS = 8
+INTRA_NUM_WARPS = 8  # H200, 1x8K H96: 5.0 ms at 8 warps, 5.5 at 4
+INTRA_BLOCK_K = 64  # 32: 6.6 ms
+STATE_NUM_WARPS = 4  # H200, 1x8K H96: 0.67 ms at 4 warps, 0.98 at 8 (2 stages; 1.10 with 1 stage)
 STATE_BLOCK_V = 64
 STATE_NUM_STAGES = 2
 EXACT_KEY_SLICE = 16
@@ -70,50 +79,37 @@ EXACT_KEY_SLICE = 16
 
 
 @triton.jit
-def _segment_sums(a, M, SUM_PREC: tl.constexpr):
-    """``M @ a`` for a 0/+-1 selection matrix M ``[C, C]``: sums of log-decay rows, exact up to fp32 round-off
-    (SUM_PREC is "ieee" or "tf32x3"; plain tf32 would round the log-decays to 10 bits)."""
-    return tl.dot(M, a, input_precision=SUM_PREC)
-
-
-@triton.jit
-def pairwise_qk_kk_block(qn, kn, a, SAFE: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr,
-                         OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
-                         SUM_PREC: tl.constexpr):
+def pairwise_qk_kk_block(qn, kn, G, SAFE: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr,
+                         OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
     """One key block's share of ``Aqk`` (causal, with the diagonal) and ``Akk`` (strictly causal) ``[C, C]``
-    from ``[C, BK]`` tiles of the normalized q, k and the log-decay a.
-
-    Off-diagonal sub-chunk blocks (j before i's sub-chunk I), any gate: with ``r_I = G[SUBC*I - 1]`` the
-    factors are ``exp(G_i - r_I) = exp(sum_{SUBC*I <= m <= i} a_m)`` and ``exp(r_I - G_j) =
-    exp(sum_{j < m < SUBC*I} a_m)``, both <= 1; the exponents are segment sums of a, formed by dots with
-    0/+-1 matrices (no row of a register tile is ever extracted: on the H200 each such extraction is a
-    cross-warp reduction). With SAFE the diagonal blocks use a mid-sub-chunk reference (exponents within
-    +-40 at log-decay >= -5); without SAFE they are the caller's (exact path)."""
+    from ``[C, BK]`` tiles: off-diagonal sub-chunk blocks for any gate (reference row ``G[SUBC*I - 1]``,
+    both factors <= 1), and with SAFE the diagonal blocks from a mid-sub-chunk reference (exponents within
+    +-40 at log-decay >= -5). Without SAFE the diagonal blocks are the caller's (exact path)."""
     rows = tl.arange(0, C)
     blk = rows // SUBC
-    m = rows[None, :]
-    i = rows[:, None]
     NB: tl.constexpr = C // SUBC
-    # x side: exp of the inclusive prefix within i's own sub-chunk
-    fx = tl.exp(_segment_sums(a, tl.where((m >= SUBC * blk[:, None]) & (m <= i), 1.0, 0.0), SUM_PREC))
+    ref = tl.zeros_like(G)
+    for I in tl.static_range(1, NB):
+        ref = tl.where((blk == I)[:, None], take_row(G, SUBC * I - 1, C)[None, :], ref)
+    fx = tl.exp(G - ref)  # [C, BK], <= 1: every row's own block reference
     xq = dot_operand(qn * fx, OP_BF16, EMULATE_BF16)
     xk = dot_operand(kn * fx, OP_BF16, EMULATE_BF16)
     Aqk = tl.zeros([C, C], dtype=tl.float32)
     Akk = tl.zeros([C, C], dtype=tl.float32)
     for I in tl.static_range(1, NB):
+        r = take_row(ref, SUBC * I, C)  # [BK] = G[SUBC*I - 1]
         before = (rows < SUBC * I)[:, None]
-        ey = tl.exp(_segment_sums(a, tl.where((m > i) & (m < SUBC * I), 1.0, 0.0), SUM_PREC))  # rows j < SUBC*I
-        yT = tl.trans(dot_operand(tl.where(before, kn * ey, 0.0), OP_BF16, EMULATE_BF16))  # [BK, C]
+        yT = tl.trans(dot_operand(tl.where(before, kn * tl.exp(tl.where(before, r[None, :] - G, 0.0)), 0.0),
+                                  OP_BF16, EMULATE_BF16))  # [BK, C], <= |k|
         inI = (blk == I)[:, None]
         Aqk += tl.where(inI, tl.dot(xq, yT, input_precision=DOT_PREC), 0.0)
         Akk += tl.where(inI, tl.dot(xk, yT, input_precision=DOT_PREC), 0.0)
     if SAFE:
-        # G_i - G_mid(I), mid = SUBC*I + SUBC/2 - 1: +sum over (mid, i] or -sum over (i, mid]
-        mid = SUBC * blk[:, None] + SUBC // 2 - 1
-        d = _segment_sums(a, tl.where((m > mid) & (m <= i), 1.0, 0.0) - tl.where((m > i) & (m <= mid), 1.0, 0.0),
-                          SUM_PREC)
-        yT = tl.trans(dot_operand(kn * tl.exp(-d), OP_BF16, EMULATE_BF16))
-        ex = tl.exp(d)
+        mid = tl.zeros_like(G)
+        for I in tl.static_range(NB):
+            mid = tl.where((blk == I)[:, None], take_row(G, SUBC * I + SUBC // 2 - 1, C)[None, :], mid)
+        ex = tl.exp(G - mid)
+        yT = tl.trans(dot_operand(kn * tl.exp(mid - G), OP_BF16, EMULATE_BF16))
         same = blk[:, None] == blk[None, :]
         Aqk += tl.where(same & (rows[:, None] >= rows[None, :]),
                         tl.dot(dot_operand(qn * ex, OP_BF16, EMULATE_BF16), yT, input_precision=DOT_PREC), 0.0)
@@ -200,7 +196,6 @@ def chunk_kda_fwd64_intra_kernel(
     BV: tl.constexpr, BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
     IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
-    SUM_PREC: tl.constexpr,
 ):
     """One (chunk, value head): W (over beta k Γ parked in its slot), U (into ``u``, i.e. o), qΓ, kd, Aqk,
     exp(g_C). BK: key block of the tiles; BKF: the padded K (the EXACT diagonal blocks' width)."""
@@ -249,7 +244,7 @@ def chunk_kda_fwd64_intra_kernel(
                    k0, K, C, BK)
         store_rows(w + tok_k, round_to_bf16_if(kn * gam * bt[:, None], EMULATE_BF16), t0, seq_len, HV * K, k0, K,
                    C, BK)
-        dqk, dkk = pairwise_qk_kk_block(qn, kn, a, SAFE, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC, SUM_PREC)
+        dqk, dkk = pairwise_qk_kk_block(qn, kn, G, SAFE, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
         Aqk += dqk
         Akk += dkk
     if not SAFE:
@@ -355,8 +350,7 @@ def run_intra(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, pairs, out: torch.Te
             q, k, v, g, beta, A_log, dt_bias, out, t["w"], t["kd"], t["qg"], t["aqk"], t["egc"], scratch, cu_seqlens,
             pairs, o.lower_bound, o.T, o.H, o.HV, o.NTS, o.stride_alog, o.stride_bias,
             K=o.K, V=o.V, C=C, SUBC=SUB, BK=bk, BKF=o.BK, BV=min(64, o.BV), BKS=min(EXACT_KEY_SLICE, o.BK),
-            SAFE=o.safe, SUM_PREC="ieee" if o.interpreting else "tf32x3", **o.constexprs,
-            num_warps=INTRA_NUM_WARPS, num_stages=1,
+            SAFE=o.safe, **o.constexprs, num_warps=INTRA_NUM_WARPS, num_stages=1,
         )
     del scratch
     return t
