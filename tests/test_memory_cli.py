@@ -253,3 +253,25 @@ def test_fla_presence_check_needs_its_kda_ops(monkeypatch, tmp_path):
     assert measure._fla_present() is False
     (tmp_path / "fla" / "ops" / "kda").mkdir(parents=True)
     assert measure._fla_present() is True
+
+
+def test_worker_env_sets_the_triton_interpreter_for_kdakit_on_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert measure.worker_env("kdakit", "cpu")["TRITON_INTERPRET"] == "1"
+    assert "TRITON_INTERPRET" not in measure.worker_env("reference", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "TRITON_INTERPRET" not in measure.worker_env("kdakit", "cuda")  # compiled kernels on the GPU
+    import os
+    assert os.environ["TRITON_INTERPRET"] == "1"  # the parent's environment is not changed
+
+
+def test_measure_dry_run_on_cpu_kdakit_without_triton_interpret(capsys, monkeypatch):
+    # The user has not exported TRITON_INTERPRET: the worker gets it, and the Triton kernels run interpreted.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc, out, err = _run(capsys, "measure", "--device", "cpu", "--dry-run", "--backends", "kdakit",
+                        "--shapes", "1x16:1", "--head-dim", "16", "--reps", "1", "--timing-runs", "1",
+                        "--warmup-seq", "0", "--warmup-iters", "0", "--json", "--timeout", "300")
+    assert rc == 0, err
+    rec = json.loads(out)
+    assert rec["status"] == "ok" and rec["finite"] is True and rec["backend"] == "kdakit", rec
+    assert "TRITON_INTERPRET" not in err

@@ -149,6 +149,13 @@ def worker_env(backend: str, device: str = "cuda") -> dict:
     env = protocol_env(backend)
     if device == "cuda":
         env.pop("TRITON_INTERPRET", None)  # compiled kernels only: the interpreter would time numpy
+    elif backend == "kdakit":
+        # The kdakit backend on CPU tensors runs its Triton kernels under the interpreter, which triton
+        # reads when it is first imported. Setting it in this (parent) process would be too late: the CLI
+        # imports kdakit, and with it triton, before any command runs. Every cell already runs in a fresh
+        # worker process, so the worker's environment is the one place where the variable is in force
+        # from the start, and the user's own shell is left untouched.
+        env["TRITON_INTERPRET"] = "1"
     root = _repo_root()
     # The child must import this kdakit (also when it is run from a source tree).
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

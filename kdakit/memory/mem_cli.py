@@ -221,7 +221,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--head-dim", type=int, default=128, help="D = K = V (default 128)")
     m.add_argument("--checkpoint-every", type=int, default=None, help="kdakit state-checkpoint cadence in tokens")
     m.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    m.add_argument("--dry-run", action="store_true", help="with --device cpu: run the protocol on CPU, times only")
+    m.add_argument("--dry-run", action="store_true",
+                   help="with --device cpu: run the protocol on CPU, times only (the kdakit backend's Triton "
+                        "kernels run under the interpreter: each worker gets TRITON_INTERPRET=1)")
     m.add_argument("--output", help="also append the JSON lines to this file")
     m.add_argument("--table", help="also write the markdown table to this file")
     m.add_argument("--quiet", action="store_true", help="no progress display on stderr")
