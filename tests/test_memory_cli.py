@@ -275,3 +275,35 @@ def test_measure_dry_run_on_cpu_kdakit_without_triton_interpret(capsys, monkeypa
     rec = json.loads(out)
     assert rec["status"] == "ok" and rec["finite"] is True and rec["backend"] == "kdakit", rec
     assert "TRITON_INTERPRET" not in err
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp64", "float64", "fp8", "torch.bfloat16"])
+@pytest.mark.parametrize("command", ["model", "plot"])
+def test_model_dtype_accepts_only_the_documented_dtypes(capsys, command, dtype):
+    rc, out, err = _run(capsys, command, "--backends", "kdakit", "--shapes" if command == "model" else "--shape",
+                        "1x1024:2", "--dtype", dtype)
+    assert rc == 2 and out == ""
+    _one_line_error(err, "--dtype must be one of bf16, fp16, fp32", repr(dtype))
+
+
+def test_model_dtype_documented_values_work(capsys):
+    floors = {}
+    for dtype in ("bf16", "fp16", "fp32", "FP32"):
+        rc, out, err = _run(capsys, "model", "--backends", "kdakit", "--shapes", "1x1024:2", "--dtype", dtype,
+                            "--json")
+        assert rc == 0, err
+        rec = json.loads(out)
+        assert rec["dtype"] == dtype.lower()
+        floors[dtype] = rec["floor_gib"]
+    assert floors["bf16"] == floors["fp16"] < floors["fp32"] == floors["FP32"]
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(capsys, monkeypatch, tmp_path):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rc, out, err = _run(capsys, "plot", "--backends", "kdakit", "--shape", "1x1024:2", "--out", str(tmp_path / "m"))
+    assert rc == 2 and out == ""
+    _one_line_error(err, "needs matplotlib", "pip install -e '.[plot]'")
+    assert "kdakit[plot]" not in err  # kdakit is not on PyPI
+    assert not list(tmp_path.iterdir())

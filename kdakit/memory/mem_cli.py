@@ -16,6 +16,8 @@ import json
 import sys
 
 SPEC_SHAPES = "1x8192:96,8x8192:16,1x8192:128,1x131072:96"
+# The token dtypes ``--dtype`` documents (those chunk_kda takes for q, k, v, g, beta).
+TOKEN_DTYPES = ("bf16", "fp16", "fp32")
 
 
 class CommandError(Exception):
@@ -27,7 +29,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head-dim", type=int, default=128, help="K (and V unless --value-dim), default 128")
     g.add_argument("--value-dim", type=int, default=None, help="V, default = --head-dim")
     g.add_argument("--qk-heads", type=int, default=None, help="q/k heads H (GVA: HEADS is HV), default = HEADS")
-    g.add_argument("--dtype", default="bf16", help="token dtype: bf16, fp16 or fp32 (default bf16)")
+    g.add_argument("--dtype", default="bf16", help=f"token dtype: {', '.join(TOKEN_DTYPES)} (default bf16)")
     g.add_argument("--gate", default="safe", help="safe (lower bound -5), softplus or precomputed (default safe)")
     g.add_argument("--no-l2norm", action="store_true", help="without in-kernel q/k l2norm")
     g.add_argument("--no-beta-sigmoid", action="store_true", help="without in-kernel beta sigmoid")
@@ -42,9 +44,11 @@ def _spec(args, shape):
     from kdakit.memory.model import protocol_spec
 
     mbs, seq, heads = shape
+    if args.dtype.lower() not in TOKEN_DTYPES:
+        raise CommandError(f"--dtype must be one of {', '.join(TOKEN_DTYPES)}, got {args.dtype!r}")
     return protocol_spec(
         mbs, seq, heads, head_dim=args.head_dim, value_dim=args.value_dim, qk_heads=args.qk_heads,
-        dtype=args.dtype, gate=args.gate, use_qk_l2norm=not args.no_l2norm,
+        dtype=args.dtype.lower(), gate=args.gate, use_qk_l2norm=not args.no_l2norm,
         use_beta_sigmoid=not args.no_beta_sigmoid, gate_params=not args.no_gate_params,
         initial_state=args.initial_state, output_final_state=args.output_final_state, varlen=not args.no_varlen,
         checkpoint_every_n_tokens=args.checkpoint_every,

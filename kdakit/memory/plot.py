@@ -4,7 +4,7 @@ Each bar is a :class:`kdakit.memory.model.MemoryModel` at one shape, stacked in 
 of :data:`kdakit.memory.model.GROUPS` and labelled with each group's GiB and the total.
 A dashed line marks the SPEC §3 floor; measured peaks (from ``kdakit mem measure --json``
 records) can be drawn as markers beside the bars. matplotlib is imported only here, and
-only when a plot is drawn (``pip install kdakit[plot]``).
+only when a plot is drawn (from the kdakit source tree: ``pip install -e '.[plot]'``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("kdakit mem plot needs matplotlib: pip install 'kdakit[plot]' (or matplotlib>=3.7)") from None
+        # kdakit is not on PyPI: the extra is installed from the source tree (or matplotlib directly).
+        raise ImportError("kdakit mem plot needs matplotlib, which is not installed: run "
+                          "pip install -e '.[plot]' in the kdakit source tree (or pip install 'matplotlib>=3.7')") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -359,7 +359,8 @@ def run_serve_mem(args, parser: Optional[argparse.ArgumentParser] = None) -> int
         try:
             plot_serving_memory(cfg, args.batch, args.context, args.plot, args.tp, budget)
         except ImportError:
-            fail("--plot needs matplotlib, which is not installed")
+            fail("--plot needs matplotlib, which is not installed: run pip install -e '.[plot]' in the kdakit "
+                 "source tree (or pip install 'matplotlib>=3.7')")
         except OSError as err:
             fail(f"--plot: cannot write {str(args.plot)!r}: {err.strerror or err}")
 
