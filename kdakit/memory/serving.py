@@ -199,6 +199,13 @@ class HybridModelConfig:
         _check_int("kda_heads", self.kda_heads, 1)
         if self.kda_value_heads is not None:
             _check_int("kda_value_heads", self.kda_value_heads, 1)
+            if self.kda_value_heads % self.kda_heads:
+                # Grouped value heads: value head i reads q/k head i // (HV // H); chunk_kda and kda_decode
+                # reject any other count.
+                raise ValueError(
+                    f"kda_value_heads: expected a multiple of kda_heads={self.kda_heads} (each q/k head serves "
+                    f"a group of value heads; kdakit's ops reject other counts), got {self.kda_value_heads}"
+                )
         _check_int("head_k_dim", self.head_k_dim, 1)
         _check_int("head_v_dim", self.head_v_dim, 1)
         _check_int("conv_width", self.conv_width, 1)

@@ -3,7 +3,10 @@
 ``register(subparsers)`` adds the subcommand to an argparse subparsers object; the handler it installs
 (``args.func(args)``) prints a table, or one JSON object with ``--json``, and returns exit code 0.
 Every option overrides the chosen ``--preset`` (default ``kimi-linear-48b-a3b``). Bad values stop with
-a one-line message through ``parser.error`` (exit code 2). ``--plot`` imports matplotlib only when asked.
+a one-line message through ``parser.error`` (exit code 2), and so do configurations kdakit's ops refuse
+(value heads not a multiple of the q/k heads, a recurrent-state dtype other than fp32 or bf16). A budget
+that holds nothing is an answer, not an error: the table says "nothing fits" and what one sequence
+needs (with ``--json``, the same sentence goes to stderr). ``--plot`` imports matplotlib only when asked.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from kdakit.memory.serving import (
     ServingEstimate,
     crossover_tokens,
     estimate,
+    m_hybrid_bytes,
+    m_mla_bytes,
     get_preset,
     pattern_from_counts,
     pattern_from_ratio,
@@ -100,6 +105,19 @@ def _dtype(text: str) -> str:
     return text.lower()
 
 
+# The recurrent-state dtypes kdakit's kernels keep (kda_decode's state pool, chunk_kda's initial/final
+# states): fp32 or bf16. The estimator itself can size others; the command refuses what the ops refuse.
+STATE_DTYPES = ("fp32", "float32", "bf16", "bfloat16")
+
+
+def _state_dtype(text: str) -> str:
+    if text.lower() not in STATE_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(STATE_DTYPES)} (the recurrent-state dtypes kdakit's kernels support), "
+            f"got {text!r}")
+    return text.lower()
+
+
 def _preset(text: str) -> str:
     if text not in PRESETS:
         raise argparse.ArgumentTypeError(f"unknown preset {text!r} (known: {', '.join(PRESETS)})")
@@ -135,14 +153,15 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--mla-layers", type=_layer_list, help="0-based MLA layer indices, e.g. 3,7,11")
     k = p.add_argument_group("KDA layers")
     k.add_argument("--kda-heads", type=_int_at_least(1), help="q/k heads")
-    k.add_argument("--kda-value-heads", type=_int_at_least(1), help="value heads (default: --kda-heads)")
+    k.add_argument("--kda-value-heads", type=_int_at_least(1),
+                   help="value heads, a multiple of --kda-heads (default: --kda-heads)")
     k.add_argument("--head-dim", type=_int_at_least(1), help="sets both key and value head dims")
     k.add_argument("--head-k-dim", type=_int_at_least(1), help="key head dim K")
     k.add_argument("--head-v-dim", type=_int_at_least(1), help="value head dim V")
     k.add_argument("--conv-width", type=_int_at_least(1), help="short-convolution kernel width")
     k.add_argument("--conv-state-columns", choices=CONV_STATE_COLUMNS,
                    help="past inputs kept per conv channel: width-1 (vLLM/SGLang, default) or width (FLA)")
-    k.add_argument("--state-dtype", type=_dtype, help="recurrent state dtype (default fp32)")
+    k.add_argument("--state-dtype", type=_state_dtype, help="recurrent state dtype: fp32 (default) or bf16")
     k.add_argument("--conv-dtype", type=_dtype, help="conv state dtype (default bf16)")
     m = p.add_argument_group("MLA layers")
     m.add_argument("--kv-lora-rank", type=_int_at_least(1), help="latent (compressed KV) width")
@@ -259,6 +278,42 @@ def _tokens(t: Optional[int]) -> str:
     return "unbounded" if t is None else f"{t:,} tokens"
 
 
+def _state_bytes(est: ServingEstimate, design: str, batch: int, context: int) -> int:
+    fn = m_hybrid_bytes if design == "hybrid" else m_mla_bytes
+    return fn(est.model, batch, context, est.tp)
+
+
+def _short_bytes(n: int) -> str:
+    return f"{n / GIB:.3f} GiB" if n >= GIB // 1000 else f"{n:,} B"
+
+
+def _fit_batch(est: ServingEstimate, design: str) -> str:
+    n = est.max_batch_hybrid if design == "hybrid" else est.max_batch_mla
+    if n:
+        return f"{n:,}"
+    need = _state_bytes(est, design, 1, est.context)
+    return f"0 (nothing fits: one sequence needs {_short_bytes(need)})"
+
+
+def _fit_context(est: ServingEstimate, design: str) -> str:
+    t = est.max_context_hybrid if design == "hybrid" else est.max_context_mla
+    if t != 0:
+        return _tokens(t)
+    need = _state_bytes(est, design, est.batch, 1)
+    return f"0 tokens (nothing fits: batch {est.batch:,} needs {_short_bytes(need)} at one token)"
+
+
+def nothing_fits(est: ServingEstimate) -> Optional[str]:
+    """A plain sentence when the budget holds not one sequence of ``est.context`` tokens in the hybrid, else None."""
+    if est.budget_bytes is None or est.max_batch_hybrid:
+        return None
+    hybrid = _state_bytes(est, "hybrid", 1, est.context)
+    mla = _state_bytes(est, "mla", 1, est.context)
+    return (f"the {est.budget_bytes / GIB:g} GiB budget per device does not hold one sequence of "
+            f"{est.context:,} tokens: the hybrid needs {_short_bytes(hybrid)}, all-MLA {_short_bytes(mla)}; "
+            "raise --budget-gib or lower --context")
+
+
 def format_table(est: ServingEstimate) -> str:
     """The human-readable report of ``kdakit serve-mem``."""
     c = est.model
@@ -282,10 +337,14 @@ def format_table(est: ServingEstimate) -> str:
     if est.budget_bytes is not None:
         rows += [
             (f"budget {est.budget_bytes / GIB:g} GiB per device", ""),
-            (f"  largest batch at {est.context:,} tokens", f"hybrid {est.max_batch_hybrid:,}, all-MLA {est.max_batch_mla:,}"),
-            (f"  longest context at batch {est.batch}", f"hybrid {_tokens(est.max_context_hybrid)}, "
-                                                        f"all-MLA {_tokens(est.max_context_mla)}"),
+            (f"  largest batch at {est.context:,} tokens",
+             f"hybrid {_fit_batch(est, 'hybrid')}, all-MLA {_fit_batch(est, 'mla')}"),
+            (f"  longest context at batch {est.batch}",
+             f"hybrid {_fit_context(est, 'hybrid')}, all-MLA {_fit_context(est, 'mla')}"),
         ]
+        note = nothing_fits(est)
+        if note:
+            rows.append(("  nothing fits", note))
     width = max(len(name) for name, _ in rows)
     lines = ["kdakit serve-mem: active attention-state memory, KDA/MLA hybrid vs all-MLA (docs/memory.md)"]
     lines += [f"{name:<{width}}  {value}".rstrip() for name, value in rows]
@@ -364,6 +423,9 @@ def run_serve_mem(args, parser: Optional[argparse.ArgumentParser] = None) -> int
         except OSError as err:
             fail(f"--plot: cannot write {str(args.plot)!r}: {err.strerror or err}")
 
+    note = nothing_fits(est)
+    if note and args.json:  # the table says it in its own rows; with --json, stdout stays one JSON object
+        print(f"kdakit serve-mem: nothing fits: {note}", file=sys.stderr)
     if args.json:
         out = est.to_dict()
         if args.plot is not None:
