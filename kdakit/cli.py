@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+
+# `kdakit demo` warns before a float64 reference estimated to take longer than this (seconds).
+SLOW_DEMO_S = 30.0
 
 
 def _positive_int(text: str) -> int:
@@ -16,11 +20,69 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class DemoProgress:
+    """Prints ``kdakit demo``'s reference progress on ``stream`` (stderr): rewritten in place on a
+    terminal, otherwise one line at the start and end of each phase and at most one every ``every_s``
+    seconds in between (logs stay short)."""
+
+    def __init__(self, stream=None, every_s: float = 5.0):
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every_s = every_s
+        self.phase = None
+        self.t0 = self.last = 0.0
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if phase != self.phase:
+            self.phase, self.t0, self.last = phase, now, -float("inf")
+        elapsed = now - self.t0
+        if done >= total:
+            text = f"{phase}: {total}/{total} tokens in {elapsed:.1f} s"
+        elif done:
+            text = f"{phase}: {done}/{total} tokens, {elapsed:.0f} s, about {_duration(elapsed * (total - done) / done)} left"
+        else:
+            text = f"{phase}: 0/{total} tokens"
+        if not (self.tty or done in (0, total) or now - self.last >= self.every_s):
+            return
+        self.last = now
+        if self.tty:
+            self.stream.write(f"\r\x1b[Kkdakit demo: {text}" + ("\n" if done >= total else ""))
+        else:
+            self.stream.write(f"kdakit demo: {text}\n")
+        self.stream.flush()
+
+
+def demo_warning(seq: int, heads: int, value_heads: int | None, dim: int) -> str | None:
+    """A warning when the float64 reference of this shape will take long (None when it will not)."""
+    from kdakit.demo import estimate_reference_s
+
+    hv = value_heads or heads
+    est = estimate_reference_s(seq, hv, dim)
+    if est < SLOW_DEMO_S:
+        return None
+    quick = 1 << max(6, int(seq * SLOW_DEMO_S / est).bit_length() - 1)  # a power of two under the limit
+    return (f"kdakit demo: warning: the float64 reference runs token by token on the CPU; at T={seq}, HV={hv}, "
+            f"K=V={dim} it takes roughly {_duration(est)} (estimated from the shape; --seq {quick} takes about "
+            f"{_duration(estimate_reference_s(quick, hv, dim))})")
+
+
 def _cmd_demo(args) -> int:
     from kdakit.demo import run_demo
 
+    warning = demo_warning(args.seq, args.heads, args.value_heads, args.dim)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     result = run_demo(device=args.device, seq=args.seq, heads=args.heads, value_heads=args.value_heads,
-                      dim=args.dim, dtype=args.dtype, seed=args.seed)
+                      dim=args.dim, dtype=args.dtype, seed=args.seed, progress=DemoProgress(sys.stderr))
     print(result.text)
     return 0 if result.ok else 1
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -20,6 +21,21 @@ from kdakit.testing import SPEC_RMS_LIMITS, error_report
 # SPEC limits under the demo's names (dh0 is run_kda's dinitial_state).
 TOLERANCES = {("dh0" if n == "dinitial_state" else n): lim for n, lim in SPEC_RMS_LIMITS.items()}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Cost of the float64 reference (naive_recurrent_kda forward + autograd backward, a Python loop over
+# tokens on the CPU), measured on a 2-core x86 CPU from T=64 to 256, HV*K*V from 256 to 1M: about
+# 0.5 ms per token plus 25 ns per state element (HV * K * V) per token. A rough guide, not a promise.
+REF_S_PER_TOKEN = 5e-4
+REF_S_PER_STATE_ELEMENT = 2.5e-8
+# The reference runs in this many segments at most (progress is reported after each).
+REF_SEGMENTS = 20
+
+Progress = Callable[[str, int, int], None]  # (phase, tokens done, tokens in all)
+
+
+def estimate_reference_s(seq: int, value_heads: int, dim: int, batch: int = 1) -> float:
+    """Rough seconds the float64 reference takes (forward + backward) for this shape, from the cost above."""
+    return batch * seq * (REF_S_PER_TOKEN + REF_S_PER_STATE_ELEMENT * value_heads * dim * dim)
 
 
 @dataclass
@@ -49,8 +65,41 @@ def _inputs(B, T, H, HV, D, dtype, device, seed):
     return tok, par, do.to(device, dtype), dht.to(device, torch.float32)
 
 
+def _reference(leaves, do, dht, opts, progress: Progress | None):
+    """float64 naive recurrence, forward and backward, in segments that carry the state.
+
+    The recurrence is exact across a split (every preprocessing step is per token and the state is the
+    only thing a token passes on), so the segments give the same result as one call; they exist so that
+    ``progress(phase, done, total)`` can report tokens done in the forward and (through hooks on the
+    carried states) in the backward.
+    """
+    q, k, v, g, beta, A_log, dt_bias, h0 = leaves
+    T = q.shape[1]
+    step = max(8, -(-T // REF_SEGMENTS))
+    bounds = [(s, min(s + step, T)) for s in range(0, T, step)]
+    report = progress or (lambda phase, done, total: None)
+    outs, state = [], h0
+    report("float64 reference forward", 0, T)
+    for s, e in bounds:
+        if state is not h0:
+            # The gradient of the state carried into [s, e) is complete once the backward has gone
+            # through every token from s on.
+            state.register_hook(lambda grad, s=s: report("float64 reference backward", T - s, T))
+        o, state = naive_recurrent_kda(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+                                       initial_state=state, output_final_state=True,
+                                       A_log=A_log, dt_bias=dt_bias, **opts)
+        outs.append(o)
+        report("float64 reference forward", e, T)
+    o = torch.cat(outs, dim=1)
+    report("float64 reference backward", 0, T)
+    torch.autograd.backward((o, state), (do, dht))
+    report("float64 reference backward", T, T)
+    return [o, state] + [x.grad for x in leaves]
+
+
 def run_demo(*, device: str = "auto", seq: int = 256, heads: int = 2, value_heads: int | None = None,
-             dim: int = 64, dtype: str = "bf16", seed: int = 0) -> DemoResult:
+             dim: int = 64, dtype: str = "bf16", seed: int = 0, progress: Progress | None = None) -> DemoResult:
+    """Run the demo; ``progress(phase, done, total)`` (optional) hears how far the float64 reference is."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -78,11 +127,7 @@ def run_demo(*, device: str = "auto", seq: int = 256, heads: int = 2, value_head
     got = [o, ht] + [x.grad for x in leaves]
 
     ref_leaves = [x.detach().to("cpu", torch.float64).requires_grad_() for x in tok + par]
-    rq, rk, rv, rg, rb, rA, rbias, rh0 = ref_leaves
-    ro, rht = naive_recurrent_kda(rq, rk, rv, rg, rb, initial_state=rh0, output_final_state=True,
-                                  A_log=rA, dt_bias=rbias, **opts)
-    torch.autograd.backward((ro, rht), (do.to("cpu", torch.float64), dht.to("cpu", torch.float64)))
-    ref = [ro, rht] + [x.grad for x in ref_leaves]
+    ref = _reference(ref_leaves, do.to("cpu", torch.float64), dht.to("cpu", torch.float64), opts, progress)
 
     names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"]
     rows = []

@@ -1,5 +1,6 @@
 """The command line: `kdakit demo`, `python -m kdakit`, and clear errors."""
 
+import io
 import subprocess
 import sys
 
@@ -14,6 +15,126 @@ def test_demo_passes_and_prints_table(capsys):
     assert rc == 0, out
     for word in ("shape", "device", "backend   torch", "wall time", "dq", "dbeta", "dh0", "PASS"):
         assert word in out
+
+
+def test_demo_shows_reference_progress_on_stderr(capsys):
+    rc = main(["demo", "--seq", "40", "--heads", "1", "--dim", "8"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "PASS" in out
+    assert "kdakit demo" not in out.split("\n", 1)[1]  # progress stays off stdout (the table's first line aside)
+    lines = err.splitlines()
+    assert lines[0] == "kdakit demo: float64 reference forward: 0/40 tokens"
+    assert lines[1].startswith("kdakit demo: float64 reference forward: 40/40 tokens in ")
+    assert lines[2] == "kdakit demo: float64 reference backward: 0/40 tokens"
+    assert lines[3].startswith("kdakit demo: float64 reference backward: 40/40 tokens in ")
+    assert "warning" not in err  # a small shape is not slow
+
+
+def test_demo_progress_callback_counts_tokens_forward_then_backward():
+    from kdakit.demo import run_demo
+
+    events = []
+    res = run_demo(seq=50, heads=1, value_heads=2, dim=8, progress=lambda *e: events.append(e))
+    assert res.ok
+    fwd = [d for p, d, t in events if p == "float64 reference forward"]
+    bwd = [d for p, d, t in events if p == "float64 reference backward"]
+    assert all(t == 50 for _, _, t in events)
+    assert fwd[0] == 0 and fwd[-1] == 50 and fwd == sorted(fwd) and len(fwd) > 3
+    assert bwd[0] == 0 and bwd[-1] == 50 and bwd == sorted(bwd) and len(bwd) > 3
+    assert events.index(("float64 reference forward", 50, 50)) < events.index(("float64 reference backward", 0, 50))
+
+
+def test_demo_reference_in_segments_equals_one_call():
+    import torch
+
+    from kdakit.demo import _inputs, _reference
+    from kdakit.ops.kda.naive import naive_recurrent_kda
+
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    tok, par, do, dht = _inputs(1, 70, 1, 2, 8, torch.bfloat16, torch.device("cpu"), 3)
+    a = [x.detach().double().requires_grad_() for x in tok + par]
+    b = [x.detach().double().requires_grad_() for x in tok + par]
+    got = _reference(a, do.double(), dht.double(), opts, None)
+    q, k, v, g, beta, A_log, dt_bias, h0 = b
+    o, ht = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, A_log=A_log,
+                                dt_bias=dt_bias, **opts)
+    torch.autograd.backward((o, ht), (do.double(), dht.double()))
+    for x, y in zip(got, [o, ht] + [t.grad for t in b]):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+def test_demo_progress_lines_in_a_log_are_throttled():
+    from kdakit.cli import DemoProgress
+
+    log = _Stream(False)
+    p = DemoProgress(log, every_s=3600)
+    for done in range(0, 101, 10):
+        p("float64 reference forward", done, 100)
+    lines = log.getvalue().splitlines()
+    assert lines[0] == "kdakit demo: float64 reference forward: 0/100 tokens"
+    assert len(lines) == 2  # start and end only: nothing in between is every_s apart
+    assert lines[1].startswith("kdakit demo: float64 reference forward: 100/100 tokens in ")
+    every = _Stream(False)
+    p = DemoProgress(every, every_s=0)
+    for done in range(0, 101, 10):
+        p("float64 reference forward", done, 100)
+    lines = every.getvalue().splitlines()
+    assert len(lines) == 11
+    assert lines[1].startswith("kdakit demo: float64 reference forward: 10/100 tokens, ") and lines[1].endswith(" left")
+
+
+def test_demo_progress_on_a_terminal_rewrites_one_line():
+    from kdakit.cli import DemoProgress
+
+    tty = _Stream(True)
+    p = DemoProgress(tty)
+    for done in (0, 5, 10):
+        p("float64 reference backward", done, 10)
+    text = tty.getvalue()
+    assert text.count("\r\x1b[K") == 3 and text.count("\n") == 1 and text.endswith(" s\n")
+    assert "5/10 tokens" in text and text.rsplit("\r", 1)[1].startswith("\x1b[Kkdakit demo: float64 reference "
+                                                                         "backward: 10/10 tokens in ")
+
+
+def test_demo_warns_before_a_slow_shape_and_says_roughly_how_long(capsys, monkeypatch):
+    import kdakit.demo
+    from kdakit.demo import DemoResult, estimate_reference_s
+
+    seen = []
+
+    def fake_run_demo(**kw):
+        seen.append((kw, capsys.readouterr().err))  # what was on stderr before the run started
+        return DemoResult(rows=[], ok=True, text="PASS")
+
+    monkeypatch.setattr(kdakit.demo, "run_demo", fake_run_demo)
+    assert estimate_reference_s(16384, 16, 128) > 60
+    assert main(["demo", "--seq", "16384", "--heads", "16", "--dim", "128"]) == 0
+    (kw, before), = seen
+    assert kw["seq"] == 16384 and callable(kw["progress"])
+    assert before.startswith("kdakit demo: warning: the float64 reference runs token by token on the CPU")
+    assert "T=16384, HV=16, K=V=128 it takes roughly 2 min" in before
+    assert "--seq 4096 takes about" in before
+
+
+def test_demo_estimate_grows_with_the_shape_and_the_default_is_quick():
+    from kdakit.cli import SLOW_DEMO_S, demo_warning
+    from kdakit.demo import estimate_reference_s
+
+    assert estimate_reference_s(256, 2, 64) < 1
+    assert estimate_reference_s(2048, 2, 64) == pytest.approx(8 * estimate_reference_s(256, 2, 64))
+    assert estimate_reference_s(256, 32, 128) > 8 * estimate_reference_s(256, 2, 64)
+    assert demo_warning(256, 2, None, 64) is None and demo_warning(1024, 2, None, 64) is None
+    assert demo_warning(65536, 2, 8, 128) is not None
+    assert estimate_reference_s(65536, 8, 128) >= SLOW_DEMO_S
 
 
 def test_python_dash_m_runs_the_same_cli():
