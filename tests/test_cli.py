@@ -246,3 +246,47 @@ def test_serve_mem_plot_without_matplotlib_says_how_to_install_it(capsys, monkey
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     line = _serve_mem_error(capsys, "--plot", str(tmp_path / "s.png"))
     assert "--plot needs matplotlib" in line and "pip install -e '.[plot]'" in line
+
+
+# ---------------------------------------------------------------------------------------
+# No numpy warning: torch warns on import when numpy is missing, and neither torch nor triton installs it
+
+
+def test_numpy_is_a_declared_dependency():
+    import pathlib
+    import re
+    import tomllib
+
+    meta = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    names = {re.split(r"[<>=!~; \[]", d, maxsplit=1)[0].lower() for d in meta["project"]["dependencies"]}
+    assert {"torch", "triton", "numpy"} <= names
+
+
+def _user_env():
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # conftest sets it for the tests
+
+
+def test_without_numpy_torch_warns_on_every_command():
+    # Where the warning came from: import kdakit (any command) imports torch, which warns without numpy;
+    # and under the Triton interpreter, importing kdakit fails outright.
+    code = ("import sys; sys.modules['numpy'] = None\n"
+            "from kdakit.cli import main\n"
+            "sys.exit(main(['serve-mem', '--json']))")
+    env = _user_env()
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "UserWarning: Failed to initialize NumPy" in res.stderr
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**env, "TRITON_INTERPRET": "1"})
+    assert res.returncode == 1 and "ModuleNotFoundError: import of numpy halted" in res.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve-mem", "--json"], ["mem", "model", "--shapes", "1x1024:2"]])
+def test_commands_print_no_warnings(argv):
+    res = subprocess.run([sys.executable, "-W", "default", "-m", "kdakit", *argv], capture_output=True, text=True,
+                         timeout=300, env=_user_env())
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    assert res.stdout
