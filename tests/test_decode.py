@@ -221,6 +221,34 @@ def test_out_is_filled_and_returned(backend):
     assert o is out and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("per_token", [False, True])
+def test_padded_pool_rows_are_read_through_the_stride(backend, per_token):
+    """A pool with padded rows (every other row of a wider cache: row stride 2 * row) gives the
+    contiguous pool's bits, with no copy: the rows in between are never touched."""
+    t, kw = _tokens(22, N=2, T=2)
+    wide = _pool(23, P=8)
+    padded = wide[::2]
+    assert not padded.is_contiguous()
+    dense = padded.clone()
+    between = wide[1::2].clone()
+    idx = torch.tensor([[3, 1], [0, 2]] if per_token else [3, 0], dtype=torch.int32)
+    o_p = _decode(t, kw, padded, idx)
+    o_d = _decode(t, kw, dense, idx)
+    assert torch.equal(o_p, o_d) and torch.equal(padded, dense)
+    assert torch.equal(wide[1::2], between)
+
+
+def test_no_sequences_gives_an_empty_result(backend):
+    t, kw = _tokens(24, N=1, T=1)
+    t = {n: (x[:0] if x.dim() >= 3 else x) for n, x in t.items()}
+    pool = _pool(25, P=2)
+    before = pool.clone()
+    for idx in (torch.zeros(0, dtype=torch.int32), torch.zeros(0, 3, dtype=torch.int32)):
+        o = _decode(t, kw, pool, idx)
+        assert o.shape == (0, 1, 4, 8)
+    assert torch.equal(pool, before)
+
+
 # --- validation ---------------------------------------------------------------------------
 
 def _bad(mutation):
@@ -233,7 +261,11 @@ def _bad(mutation):
 @pytest.mark.parametrize("mutation, exc, pattern", [
     (lambda a: a.update(pool=a["pool"].half()), TypeError, "^state_pool must be float32 or bfloat16"),
     (lambda a: a.update(pool=torch.zeros(4, 4, 8, 6)), ValueError, "^state_pool must have shape"),
-    (lambda a: a.update(pool=a["pool"][::2]), ValueError, "^state_pool must be contiguous"),
+    (lambda a: a.update(pool=torch.randn(4, 4, 8, 8).transpose(2, 3)), ValueError, "^state_pool rows must be dense"),
+    (lambda a: a.update(pool=torch.randn(4 * 256 + 8).as_strided((4, 4, 8, 8), (255, 64, 8, 1))), ValueError,
+     "^state_pool rows must not overlap"),
+    (lambda a: a.update(pool=torch.randn(4 * 260).as_strided((4, 4, 8, 8), (258, 64, 8, 1))), ValueError,
+     "^state_pool padded rows need a 16-byte aligned row stride"),
     (lambda a: a.update(idx=a["idx"].float()), TypeError, "^state_indices must be int32"),
     (lambda a: a.update(idx=[0, 1]), TypeError, "^state_indices must be a torch.Tensor"),
     (lambda a: a.update(idx=a["idx"][:1]), ValueError, r"^state_indices must be \[N\] or \[N, S\]"),
@@ -247,7 +279,8 @@ def _bad(mutation):
                         extra=dict(num_accepted_tokens=torch.tensor([0, 1], dtype=torch.int32))), ValueError,
      r"num_accepted_tokens must lie in \[1, 2\]"),
     (lambda a: a["extra"].update(out=torch.empty(2, 2, 4, 4)), ValueError, r"^out must have shape"),
-], ids=["pool-dtype", "pool-layout", "pool-strided", "idx-dtype", "idx-type", "idx-shape", "idx-high", "idx-low",
+], ids=["pool-dtype", "pool-layout", "pool-rows-not-dense", "pool-rows-overlap", "pool-row-misaligned",
+        "idx-dtype", "idx-type", "idx-shape", "idx-high", "idx-low",
         "idx-duplicate", "idx-too-few-columns", "accepted-1d", "accepted-range", "out-shape"])
 def test_decode_rejects_bad_arguments(backend, mutation, exc, pattern):
     t, kw, a = _bad(mutation)
@@ -255,3 +288,9 @@ def test_decode_rejects_bad_arguments(backend, mutation, exc, pattern):
     with pytest.raises(exc, match=pattern):
         _decode(t, kw, a["pool"], a["idx"], **a["extra"])
     assert torch.equal(a["pool"], snapshot), "a failing call modified the pool"
+
+
+def test_decode_rejects_a_pool_on_another_device(backend):
+    t, kw, a = _bad(lambda a: None)
+    with pytest.raises(ValueError, match="^state_pool must be on q's device cpu, got meta"):
+        _decode(t, kw, a["pool"].to("meta"), a["idx"])

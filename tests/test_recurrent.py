@@ -225,8 +225,9 @@ def _fwd(t, kw, **extra):
 
 
 @pytest.mark.parametrize("extra, exc, pattern", [
-    (dict(ssm_state_indices=torch.zeros(1, dtype=torch.int32)), TypeError, "kda_decode"),
-    (dict(num_accepted_tokens=torch.ones(1, dtype=torch.int32)), TypeError, "kda_decode"),
+    # the serving arguments (tests/test_serving_args.py covers them): 4 tokens cannot fill FLA's 1-row final state
+    (dict(ssm_state_indices=torch.zeros(1, dtype=torch.int32)), ValueError, "exactly N=1 tokens"),
+    (dict(num_accepted_tokens=torch.ones(1, dtype=torch.int32)), ValueError, "needs ssm_state_indices"),
     (dict(chunk_size=64), TypeError, "unexpected keyword"),
     (dict(out=torch.empty(1, 4, 2, 4)), ValueError, r"^out must have shape \[1, 4, 2, 8\]"),
     (dict(out=torch.empty(1, 4, 2, 8, dtype=torch.float64)), TypeError, "^out must have dtype"),

@@ -1,10 +1,13 @@
-"""Serving decode: one step of recurrent KDA over a state pool, updated in place (``kda_decode``).
+"""Serving: recurrent KDA over a state pool, updated in place (``kda_decode``), and the kernel
+behind ``fused_recurrent_kda``'s FLA serving arguments (``fused_recurrent_kda_serving``).
 
 The pool and its indices (the layout ``chunk_kda(..., state_indices=...)`` shares for prefill):
 
 * ``state_pool``: ``[P, HV, V, K]``, value-first (row ``p`` holds one sequence's state,
-  ``S^T`` per value head, K contiguous), fp32 or bf16, contiguous. ``P`` is the engine's
-  number of cache slots.
+  ``S^T`` per value head, K contiguous), fp32 or bf16. ``P`` is the engine's number of cache
+  slots. Rows are read through the row stride, so a pool with padded rows (row stride above
+  ``HV * V * K``, 16-byte aligned, e.g. a slice of a wider cache) works without a copy;
+  each row itself must be dense.
 * ``state_indices``: int32 (int64 accepted) with one entry per sequence, ``[N]``: sequence
   ``n`` reads row ``state_indices[n]``, runs its tokens and writes the final state back to
   that row. ``-1`` marks a padded sequence: its pool rows are left untouched (bitwise) and
@@ -24,9 +27,13 @@ call (bf16 -> fp32), each token's updated state is rounded to bf16 once (fp32 ma
 round-to-nearest-even, as if stored), the output ``o_t`` is computed from that rounded
 state, and the state is written back once per call (per token with per-token rows). So
 an S-token step gives the same bits as S one-token steps. An fp32 pool is never rounded.
+(The FLA-compatible serving path does not round the running state, as FLA does not: only
+the stored copies are rounded.)
 
 Kernel: grid ``(N * HV, cdiv(V, BV))``; each program moves a ``[BV, K]`` tile of one state
 (read once, written once per step), so a step moves ``2 * N * HV * V * K`` state elements.
+The same kernel serves both entry points; constexpr flags choose the state layout
+(value-first or ``[K, V]``), where states are written (``WRITE_*``) and the bf16 rounding.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import select_backend
-from kdakit.ops.kda.chunk_common import gate_mode, round_to_bf16, seq_bounds
+from kdakit.ops.kda.chunk_common import gate_mode, round_to_bf16, round_to_bf16_if, seq_bounds
 from kdakit.ops.kda.fused_recurrent import (
     beta_mode,
     beta_value,
@@ -46,7 +53,7 @@ from kdakit.ops.kda.fused_recurrent import (
     qk_activation,
 )
 from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
-from kdakit.ops.kda.validate import validate_kda_inputs
+from kdakit.ops.kda.validate import STATE_DTYPES, validate_kda_inputs
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
@@ -70,18 +77,25 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernel
+# Kernel (shared by kda_decode and fused_recurrent_kda's serving arguments)
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["T", "P"])
-def _kda_decode_kernel(
-    q, k, v, g, beta, A_log, dt_bias, pool, state_indices, num_accepted, o, cu_seqlens,
-    scale, lower_bound, T, P,
+# Where a program writes states (constexpr WRITE):
+WRITE_FINAL_TO_READ_ROW = 0  # the final state to the row it read (kda_decode [N]; FLA in place without indices)
+WRITE_PER_TOKEN_ROWS = 1     # the state after token j to row indices[n, j] (kda_decode [N, S]; FLA in place)
+WRITE_PER_TOKEN_PACKED = 2   # the state after packed token t to row t of ht (FLA with indices, not in place)
+WRITE_NONE = 3
+
+
+@triton.jit(do_not_specialize=["T", "P_read", "P_write"])
+def _pool_recurrent_kernel(
+    q, k, v, g, beta, A_log, dt_bias, h0, ht, state_indices, num_accepted, o, cu_seqlens,
+    scale, lower_bound, T, P_read, P_write, h0_row_stride, ht_row_stride, idx_stride_n, idx_stride_s, acc_stride,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IDX_COLS: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    PER_TOKEN_ROWS: tl.constexpr, HAS_ACCEPTED: tl.constexpr, ROUND_BF16: tl.constexpr,
-    IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr,
-    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
+    HAS_INDICES: tl.constexpr, USE_H0: tl.constexpr, WRITE: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
+    ROUND_STATE: tl.constexpr, ROUND_STORE: tl.constexpr, STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
+    L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
 ):
     i_nh = tl.program_id(0)  # N * HV on axis 0: axes 1 and 2 hold at most 65535 programs
     i_v = tl.program_id(1).to(tl.int64)
@@ -98,21 +112,30 @@ def _kda_decode_kernel(
     n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, bos, eos, i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
                                              H, HV, K, V)
 
-    idx_row = state_indices + i_n.to(tl.int64) * IDX_COLS
-    if HAS_ACCEPTED:
-        # clamped so that an unchecked bad count cannot read outside this sequence's row
-        read_col = tl.load(num_accepted + i_n).to(tl.int64) - 1
-        read_col = tl.minimum(tl.maximum(read_col, 0), IDX_COLS - 1)
-    else:
-        read_col = 0
-    slot = tl.load(idx_row + read_col).to(tl.int64)
-    # -1 marks a padded sequence; out-of-range rows are treated the same so that an
-    # unchecked bad index can never write outside the pool.
-    valid = (slot >= 0) & (slot < P)
+    idx_row = state_indices + i_n.to(tl.int64) * idx_stride_n
+    slot = i_n.to(tl.int64)  # without indices, sequence n owns row n
+    valid = slot >= 0        # true: with no state to read there is no read row to check
+    if USE_H0:
+        if HAS_INDICES:
+            if HAS_ACCEPTED:
+                # clamped so that an unchecked bad count cannot read outside this sequence's row
+                read_col = tl.load(num_accepted + i_n.to(tl.int64) * acc_stride).to(tl.int64) - 1
+                read_col = tl.minimum(tl.maximum(read_col, 0), IDX_COLS - 1)
+            else:
+                read_col = 0
+            slot = tl.load(idx_row + read_col * idx_stride_s).to(tl.int64)
+        # -1 marks a padded sequence (kda_decode); out-of-range rows are treated the same so
+        # that an unchecked bad index can never touch memory outside the pool.
+        valid = (slot >= 0) & (slot < P_read)
 
     mask_s = (mask_v[:, None] & mask_k[None, :]) & valid                                  # [BV, BK]
-    offs_s = (i_hv * V + offs_v[:, None]) * K + offs_k[None, :]                           # [BV, BK]
-    S = tl.load(pool + slot * (HV * V * K) + offs_s, mask=mask_s, other=0.0).to(tl.float32)
+    if STATE_V_FIRST:
+        offs_s = (i_hv * V + offs_v[:, None]) * K + offs_k[None, :]                       # [BV, BK]
+    else:
+        offs_s = (i_hv * K + offs_k[None, :]) * V + offs_v[:, None]
+    S = tl.zeros([BV, BK], dtype=tl.float32)                                              # S^T tile
+    if USE_H0:
+        S += tl.load(h0 + slot * h0_row_stride + offs_s, mask=mask_s, other=0.0).to(tl.float32)
 
     t = bos
     while t < eos:
@@ -128,57 +151,83 @@ def _kda_decode_kernel(
         S = S * tl.exp(b_a)[None, :]                                                      # S' = D S
         b_u = b_beta * (b_v - tl.sum(S * b_k[None, :], axis=1))                           # [BV]
         S = S + b_u[:, None] * b_k[None, :]
-        if ROUND_BF16:
+        if ROUND_STATE:
             S = round_to_bf16(S)
         b_o = scale * tl.sum(S * b_q[None, :], axis=1)                                    # [BV]
         b_o = tl.where(valid, b_o, 0.0)
         tl.store(o + hv_row * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
-        if PER_TOKEN_ROWS:
-            w_slot = tl.load(idx_row + (t - bos)).to(tl.int64)
-            w_ok = valid & (w_slot >= 0) & (w_slot < P)
-            tl.store(pool + w_slot * (HV * V * K) + offs_s, S.to(pool.dtype.element_ty), mask=mask_s & w_ok)
+        if WRITE == 1:
+            col = t - bos
+            # masked so that an unchecked long sequence cannot read past its index row
+            w_slot = tl.load(idx_row + col * idx_stride_s, mask=col < IDX_COLS, other=-1).to(tl.int64)
+            w_ok = valid & (w_slot >= 0) & (w_slot < P_write)
+            tl.store(ht + w_slot * ht_row_stride + offs_s,
+                     round_to_bf16_if(S, ROUND_STORE).to(ht.dtype.element_ty), mask=mask_s & w_ok)
+        if WRITE == 2:
+            tl.store(ht + t * ht_row_stride + offs_s,
+                     round_to_bf16_if(S, ROUND_STORE).to(ht.dtype.element_ty), mask=mask_s & (t < P_write))
         t += 1
 
-    if not PER_TOKEN_ROWS:
-        tl.store(pool + slot * (HV * V * K) + offs_s, S.to(pool.dtype.element_ty), mask=mask_s)
+    if WRITE == 0:
+        tl.store(ht + slot * ht_row_stride + offs_s,
+                 round_to_bf16_if(S, ROUND_STORE).to(ht.dtype.element_ty), mask=mask_s)
 
 
 # ---------------------------------------------------------------------------------------------
 # Launcher and PyTorch reference
 # ---------------------------------------------------------------------------------------------
 
-def launch_kda_decode(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o, *, A_log, dt_bias,
-                      scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                      allow_neg_eigval, lower_bound, cu_seqlens, N, block_v: int = DECODE_BLOCK_V,
-                      num_warps: int = DECODE_NUM_WARPS) -> None:
+def launch_pool_recurrent(q, k, v, g, beta, o, *, h0, ht, state_indices, num_accepted_tokens, write, round_state,
+                          state_v_first, A_log, dt_bias, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                          use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, cu_seqlens, N,
+                          block_v: int = DECODE_BLOCK_V, num_warps: int = DECODE_NUM_WARPS) -> None:
+    """Launch the pool kernel: states read from row(s) of ``h0`` and written to ``ht`` as ``write`` says.
+
+    ``h0``/``ht`` rows are read through their row stride (padded rows need no copy); within a
+    row the layout is dense ``[HV, V, K]`` (``state_v_first``) or ``[HV, K, V]``.
+    """
+    if N == 0:
+        return  # no sequence: nothing to run (a zero-sized grid is not a launch)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), block_v)
-    per_token = state_indices.dim() == 2
-    dummy = state_indices
-    _kda_decode_kernel[(N * HV, triton.cdiv(V, BV))](
+    idx, acc = state_indices, num_accepted_tokens
+    if idx is None:
+        idx_strides, idx_cols = (0, 0), 1
+    elif idx.dim() == 1:
+        idx_strides, idx_cols = (idx.stride(0), 0), 1
+    else:
+        idx_strides, idx_cols = tuple(idx.stride()), idx.shape[1]
+    round_store = ht is not None and ht.dtype == torch.bfloat16 and not round_state
+    dummy = q  # pointer for absent optional tensors; never dereferenced (constexpr flags)
+    _pool_recurrent_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta,
         A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
-        state_pool, state_indices, num_accepted_tokens if num_accepted_tokens is not None else dummy, o,
+        h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+        idx if idx is not None else dummy, acc if acc is not None else dummy, o,
         cu_seqlens if cu_seqlens is not None else dummy,
-        float(scale), float(lower_bound) if lower_bound is not None else 0.0, T, state_pool.shape[0],
-        H=H, HV=HV, K=K, V=V, IDX_COLS=state_indices.shape[1] if per_token else 1, BK=BK, BV=BV,
-        PER_TOKEN_ROWS=per_token, HAS_ACCEPTED=num_accepted_tokens is not None,
-        ROUND_BF16=state_pool.dtype == torch.bfloat16, IS_VARLEN=cu_seqlens is not None,
-        L2NORM=use_qk_l2norm_in_kernel, GATE=gate_mode(use_gate_in_kernel, lower_bound),
-        HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
+        float(scale), float(lower_bound) if lower_bound is not None else 0.0, T,
+        h0.shape[0] if h0 is not None else 0, ht.shape[0] if ht is not None else 0,
+        h0.stride(0) if h0 is not None else 0, ht.stride(0) if ht is not None else 0,
+        idx_strides[0], idx_strides[1], acc.stride(0) if acc is not None else 0,
+        H=H, HV=HV, K=K, V=V, IDX_COLS=idx_cols, BK=BK, BV=BV,
+        HAS_INDICES=idx is not None, USE_H0=h0 is not None, WRITE=write, HAS_ACCEPTED=acc is not None,
+        ROUND_STATE=round_state, ROUND_STORE=round_store, STATE_V_FIRST=state_v_first,
+        IS_VARLEN=cu_seqlens is not None, L2NORM=use_qk_l2norm_in_kernel,
+        GATE=gate_mode(use_gate_in_kernel, lower_bound), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
         BETA=beta_mode(use_beta_sigmoid_in_kernel, allow_neg_eigval), num_warps=num_warps,
     )
 
 
 @torch.no_grad()
-def kda_decode_reference(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o, *, A_log, dt_bias,
-                         scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                         allow_neg_eigval, lower_bound, cu_seqlens, N) -> None:
-    """The decode step in PyTorch (fp32 math, float64 for float64 inputs), same semantics as the kernel."""
+def pool_recurrent_reference(q, k, v, g, beta, o, *, h0, ht, state_indices, num_accepted_tokens, write,
+                             round_state, state_v_first, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
+                             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+                             cu_seqlens, N) -> None:
+    """``launch_pool_recurrent`` in PyTorch (fp32 math, float64 for float64 inputs), the same semantics."""
     B, T, H, K = q.shape
-    HV = v.shape[2]
+    HV, V = v.shape[2], v.shape[3]
     dt = compute_dtype(q, k, v, g, beta)
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
@@ -187,32 +236,74 @@ def kda_decode_reference(q, k, v, g, beta, state_pool, state_indices, num_accept
     b = kda_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     q = q.repeat_interleave(HV // H, dim=2).reshape(B * T, HV, K)
     k = k.repeat_interleave(HV // H, dim=2).reshape(B * T, HV, K)
-    v, a, b = v.reshape(B * T, HV, -1), a.reshape(B * T, HV, K), b.reshape(B * T, HV)
-    o_flat = o.view(B * T, HV, -1)
+    v, a, b = v.reshape(B * T, HV, V), a.reshape(B * T, HV, K), b.reshape(B * T, HV)
+    o_flat = o.view(B * T, HV, V)
     cu = cu_seqlens.tolist() if cu_seqlens is not None else [n * T for n in range(B + 1)]
-    idx = state_indices.tolist()
+    idx = state_indices.tolist() if state_indices is not None else None
+    if idx is not None and state_indices.dim() == 1:
+        idx = [[i] for i in idx]
     acc = num_accepted_tokens.tolist() if num_accepted_tokens is not None else None
-    P = state_pool.shape[0]
-    round_bf16 = state_pool.dtype == torch.bfloat16
+    P_read = h0.shape[0] if h0 is not None else 0
+    P_write = ht.shape[0] if ht is not None else 0
+
+    # the computation holds S^T [HV, V, K]; rows of a [HV, K, V] pool are transposed on the way in and out
+    def load(row):
+        s = row.to(dt)
+        return s if state_v_first else s.transpose(-1, -2)
+
+    def store(dst, S):
+        if round_state:
+            S = S.to(torch.bfloat16).to(dt)  # kda_decode's bf16 pool: already rounded, stored exactly
+        dst.copy_(S if state_v_first else S.transpose(-1, -2))
+
     for n in range(N):
         bos, eos = cu[n], cu[n + 1]
-        row = idx[n] if isinstance(idx[n], list) else [idx[n]]
-        slot = row[acc[n] - 1] if acc is not None else row[0]
-        if not 0 <= slot < P:
-            o_flat[bos:eos] = 0
-            continue
-        S = state_pool[slot].to(dt)                                                       # [HV, V, K]
+        slot = n
+        if h0 is not None:
+            if idx is not None:
+                col = min(max(acc[n] - 1, 0), len(idx[n]) - 1) if acc is not None else 0
+                slot = idx[n][col]
+            if not 0 <= slot < P_read:
+                o_flat[bos:eos] = 0
+                continue
+            S = load(h0[slot])                                                            # [HV, V, K]
+        else:
+            S = q.new_zeros(HV, V, K)
         for j, t in enumerate(range(bos, eos)):
             S = S * torch.exp(a[t])[:, None, :]
             u = b[t][:, None] * (v[t] - torch.einsum("hvk,hk->hv", S, k[t]))
             S = S + u[:, :, None] * k[t][:, None, :]
-            if round_bf16:
+            if round_state:
                 S = S.to(torch.bfloat16).to(dt)
             o_flat[t] = (scale * torch.einsum("hvk,hk->hv", S, q[t])).to(o.dtype)
-            if state_indices.dim() == 2 and 0 <= row[j] < P:
-                state_pool[row[j]] = S.to(state_pool.dtype)
-        if state_indices.dim() == 1:
-            state_pool[slot] = S.to(state_pool.dtype)
+            if write == WRITE_PER_TOKEN_ROWS:
+                w = idx[n][j] if j < len(idx[n]) else -1
+                if 0 <= w < P_write:
+                    store(ht[w], S)
+            elif write == WRITE_PER_TOKEN_PACKED and t < P_write:
+                store(ht[t], S)
+        if write == WRITE_FINAL_TO_READ_ROW:
+            store(ht[slot], S)
+
+
+def launch_kda_decode(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o, **kw) -> None:
+    """kda_decode's step on the Triton kernel (``kw``: launch_pool_recurrent's options but the pool's)."""
+    launch_pool_recurrent(q, k, v, g, beta, o, **_decode_pool_args(state_pool, state_indices, num_accepted_tokens),
+                          **kw)
+
+
+def kda_decode_reference(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o, **kw) -> None:
+    """kda_decode's step in PyTorch (fp32 math, float64 for float64 inputs), the same semantics as the kernel."""
+    pool_recurrent_reference(q, k, v, g, beta, o,
+                             **_decode_pool_args(state_pool, state_indices, num_accepted_tokens), **kw)
+
+
+def _decode_pool_args(state_pool, state_indices, num_accepted_tokens) -> dict:
+    """kda_decode's scheme: a value-first pool updated in place, bf16 state rounded per token."""
+    per_token = state_indices.dim() == 2
+    return dict(h0=state_pool, ht=state_pool, state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
+                write=WRITE_PER_TOKEN_ROWS if per_token else WRITE_FINAL_TO_READ_ROW,
+                round_state=state_pool.dtype == torch.bfloat16, state_v_first=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,7 +340,8 @@ def kda_decode(
         q, k: ``[N, T, H, K]`` (T tokens per sequence, T >= 1) or ``[1, total, H, K]`` with
             ``cu_seqlens``; v ``[.., HV, V]``; g ``[.., HV, K]``; beta ``[.., HV]``; token
             tensors in fp16/bf16/fp32 (fp64 on the PyTorch path).
-        state_pool: ``[P, HV, V, K]`` fp32 or bf16, contiguous, value-first; updated in place.
+        state_pool: ``[P, HV, V, K]`` fp32 or bf16, value-first, rows dense (the row stride may
+            be padded, 16-byte aligned); updated in place.
         state_indices: int32 ``[N]`` (one row per sequence) or ``[N, S]`` (one row per token,
             S >= tokens per sequence); ``-1`` = padded/skip.
         A_log, dt_bias, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
@@ -293,7 +385,7 @@ def kda_decode(
             cu_seqlens=cu_seqlens,
         )
         N, K = shape.N, shape.K
-        _check_pool(state_pool, state_indices, num_accepted_tokens, shape, cu_seqlens)
+        _check_pool(state_pool, state_indices, num_accepted_tokens, shape, cu_seqlens, device)
         if check_indices and not is_capturing(device):
             _check_index_values(state_pool.shape[0], state_indices, num_accepted_tokens, cu_seqlens, shape)
         if out is not None:
@@ -309,16 +401,229 @@ def kda_decode(
         kda_decode_reference(*args, **kw)
         return o
     if not prepared:
+        # the pool and the index tensors are read through their strides
         check_kernel_layout(K, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
-                                "cu_seqlens": cu_seqlens, "state_indices": state_indices,
-                                "num_accepted_tokens": num_accepted_tokens})
+                                "cu_seqlens": cu_seqlens})
     launch_kda_decode(*args, **kw)
     if not prepared:
         ws.mark_prepared(signature)
     return o
 
 
-def _check_pool(pool, state_indices, num_accepted_tokens, shape, cu_seqlens) -> None:
+# ---------------------------------------------------------------------------------------------
+# fused_recurrent_kda's serving arguments (FLA 0.6.0's fused_recurrent_kda_fwd semantics)
+# ---------------------------------------------------------------------------------------------
+
+def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_state, output_final_state, opts,
+                                cu_seqlens, safe_gate, out, final_state_out, workspace, ssm_state_indices,
+                                num_accepted_tokens, inplace_final_state, check_indices):
+    """``fused_recurrent_kda`` with ``ssm_state_indices`` / ``num_accepted_tokens`` / ``inplace_final_state``.
+
+    Semantics (FLA 0.6.0's ``fused_recurrent_kda_fwd``; ``opts`` holds scale, the in-kernel
+    options and state_v_first, as ``fused_recurrent_kda`` builds them):
+
+    * ``initial_state`` is a pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` with state_v_first) when
+      ``ssm_state_indices`` is given: ``[N]`` (column 0 only) or ``[N, S]``. Sequence ``n``
+      starts from row ``ssm_state_indices[n, c]``, ``c = num_accepted_tokens[n] - 1`` (0
+      without it); without initial_state it starts from zeros.
+    * ``inplace_final_state=True``: the state after token ``t`` of sequence ``n`` is written to
+      row ``ssm_state_indices[n, t]`` of initial_state (so a sequence carries at most S
+      tokens); without indices, the final state of sequence ``n`` overwrites row ``n``.
+      Returns ``(o, initial_state)``.
+    * ``inplace_final_state=False`` with indices and ``output_final_state``: FLA writes the
+      state after packed token ``t`` to row ``t`` of a new ``[N, ...]`` fp32 tensor, which is
+      defined only when the batch holds exactly N tokens (one per sequence in plain decode);
+      other token counts raise. Without ``output_final_state`` no state is written.
+    * A sequence with no tokens reads and writes nothing. Index entries that are never read
+      (columns past a sequence's tokens, sequences with no tokens, the read column without
+      initial_state) may hold anything, e.g. FLA's ``PAD_SLOT_ID = -1``; an entry that is read
+      must lie in ``[0, P)`` (FLA would address memory outside the pool), checked on the host
+      with ``check_indices``.
+    * Forward only, as FLA's: inputs that require grad raise.
+    """
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    backend = select_backend(device)
+    for name, flag in (("inplace_final_state", inplace_final_state), ("check_indices", check_indices),
+                       ("output_final_state", output_final_state)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if num_accepted_tokens is not None and ssm_state_indices is None:
+        # FLA 0.6.0 ignores num_accepted_tokens without indices; a count nobody reads is a caller bug
+        raise ValueError("num_accepted_tokens picks the column of ssm_state_indices to read the initial state "
+                         "from and needs ssm_state_indices, got ssm_state_indices=None")
+    state_v_first = opts["state_v_first"]
+    kernel_opts = {n: x for n, x in opts.items() if n not in ("scale", "state_v_first")}
+    ws, prepared, signature = None, False, None
+    if backend == "triton":
+        ws = resolve_workspace(workspace, device)
+        signature = call_signature("fused_recurrent_kda_serving", q, k, v, g, beta, A_log, dt_bias, initial_state,
+                                   cu_seqlens, out, final_state_out, ssm_state_indices, num_accepted_tokens,
+                                   inplace_final_state, output_final_state, safe_gate, check_indices,
+                                   tuple(sorted(opts.items())))
+        prepared = check_prepared_for_capture(ws, signature, "fused_recurrent_kda")
+        if prepared and (out is None or (output_final_state and not inplace_final_state and final_state_out is None)):
+            raise RuntimeError("capturing fused_recurrent_kda in a CUDA graph needs out= (and final_state_out= "
+                               "with output_final_state) so that the capture allocates nothing")
+    if prepared:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        K = q.shape[3]
+    else:
+        shape = validate_kda_inputs(
+            q, k, v, g, beta, scale=opts["scale"],
+            initial_state=initial_state if ssm_state_indices is None else None,
+            use_gate_in_kernel=opts["use_gate_in_kernel"], use_beta_sigmoid_in_kernel=opts["use_beta_sigmoid_in_kernel"],
+            allow_neg_eigval=opts["allow_neg_eigval"], safe_gate=safe_gate, lower_bound=opts["lower_bound"],
+            A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        )
+        N, K = shape.N, shape.K
+        _check_serving_args(q, k, v, g, beta, A_log, dt_bias, shape, initial_state, ssm_state_indices,
+                            num_accepted_tokens, inplace_final_state, output_final_state, out, final_state_out,
+                            state_v_first, device)
+        if check_indices and ssm_state_indices is not None and not is_capturing(device):
+            lengths = shape.seqlens if shape.seqlens is not None else (shape.T,) * N
+            _check_serving_index_values(initial_state.shape[0] if initial_state is not None else 0,
+                                        ssm_state_indices, num_accepted_tokens, lengths,
+                                        reads=initial_state is not None, writes=inplace_final_state)
+    HV, V = v.shape[2], v.shape[3]
+    scale = float(K ** -0.5 if opts["scale"] is None else opts["scale"])
+    if not opts["use_gate_in_kernel"]:
+        # FLA reads A_log, dt_bias and lower_bound only for the in-kernel gate.
+        A_log = dt_bias = None
+        kernel_opts["lower_bound"] = None
+    o = out if out is not None else torch.empty_like(v)
+    if inplace_final_state:
+        final = ht = initial_state
+        write = WRITE_PER_TOKEN_ROWS if ssm_state_indices is not None else WRITE_FINAL_TO_READ_ROW
+    elif output_final_state:
+        # fp32 as FLA; the PyTorch path keeps float64 for float64 inputs, as fused_recurrent_kda does
+        dtype = torch.float32 if backend == "triton" else compute_dtype(q, k, v, g, beta)
+        shape_s = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        final = ht = final_state_out if final_state_out is not None else q.new_empty(shape_s, dtype=dtype)
+        write = WRITE_PER_TOKEN_PACKED
+    else:
+        final = ht = None
+        write = WRITE_NONE
+    kw = dict(h0=initial_state, ht=ht, state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+              write=write, round_state=False, state_v_first=state_v_first, A_log=A_log, dt_bias=dt_bias,
+              scale=scale, cu_seqlens=cu_seqlens, N=N, **kernel_opts)
+    if backend == "torch":
+        pool_recurrent_reference(q, k, v, g, beta, o, **kw)
+        return o, final
+    if not prepared:
+        check_kernel_layout(K, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+                                "cu_seqlens": cu_seqlens})
+    launch_pool_recurrent(q, k, v, g, beta, o, **kw)
+    if not prepared:
+        ws.mark_prepared(signature)
+    return o, final
+
+
+def _check_serving_args(q, k, v, g, beta, A_log, dt_bias, shape, initial_state, idx, acc, inplace,
+                        output_final_state, out, final_state_out, state_v_first, device) -> None:
+    """Metadata and token-count checks of the serving arguments (no device read)."""
+    N, HV, K, V = shape.N, shape.HV, shape.K, shape.V
+    if inplace and initial_state is None:
+        raise ValueError("inplace_final_state=True writes the final states into initial_state, "
+                         "got initial_state=None")
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (q, k, v, g, beta, A_log, dt_bias, initial_state)):
+        raise ValueError("ssm_state_indices, num_accepted_tokens and inplace_final_state are forward-only "
+                         "(serving), as in FLA: call under torch.no_grad() or pass tensors that do not require "
+                         "grad, got an input with requires_grad=True")
+    inner = (HV, V, K) if state_v_first else (HV, K, V)
+    layout = "[P, HV, V, K] (state_v_first=True)" if state_v_first else "[P, HV, K, V]"
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
+        if initial_state.dtype not in STATE_DTYPES:
+            raise TypeError(f"initial_state must be float32, bfloat16 or float64, got {initial_state.dtype}")
+        if initial_state.device != device:
+            raise ValueError(f"initial_state must be on q's device {device}, got {initial_state.device}")
+        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != inner:
+            raise ValueError(f"initial_state (the state pool) must have shape {layout} = [P, "
+                             f"{', '.join(map(str, inner))}], got {list(initial_state.shape)}")
+        check_state_rows("initial_state", initial_state)
+    for name, t in (("ssm_state_indices", idx), ("num_accepted_tokens", acc)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+    if idx is not None and (idx.dim() not in (1, 2) or idx.shape[0] != N):
+        raise ValueError(f"ssm_state_indices must be [N] or [N, S] with N={N} sequences, got {list(idx.shape)}")
+    if acc is not None and tuple(acc.shape) != (N,):
+        raise ValueError(f"num_accepted_tokens must have shape [N] = [{N}], got {list(acc.shape)}")
+    lengths = shape.seqlens if shape.seqlens is not None else (shape.T,) * N
+    if idx is not None and inplace:
+        S = idx.shape[1] if idx.dim() == 2 else 1
+        longest = max(lengths, default=0)
+        if longest > S:
+            raise ValueError(f"inplace_final_state=True writes the state after token t of sequence n to "
+                             f"ssm_state_indices[n, t], so a sequence may carry at most S={S} tokens, got a "
+                             f"sequence of {longest} tokens")
+    if out is not None:
+        check_out("out", out, v.shape, v.dtype, device)
+    if final_state_out is not None:
+        if inplace:
+            raise ValueError("final_state_out is not used with inplace_final_state=True (the states go into "
+                             "initial_state), got a final_state_out tensor")
+        if not output_final_state:
+            raise ValueError("final_state_out needs output_final_state=True, got output_final_state=False")
+        check_out("final_state_out", final_state_out, (N, *inner), torch.float32, device)
+    if idx is not None and not inplace and output_final_state and sum(lengths) != N:
+        raise ValueError(f"with ssm_state_indices and inplace_final_state=False, FLA writes the state after packed "
+                         f"token t to row t of an [N, ...] final_state, so the batch must hold exactly N={N} tokens "
+                         f"(one per sequence in decode), got {sum(lengths)}; use inplace_final_state=True")
+
+
+def _check_serving_index_values(P, idx_t, acc_t, lengths, *, reads: bool, writes: bool) -> None:
+    """Host check of the index entries the kernel reads (one device->host copy of the indices).
+
+    Entries never read may hold anything (FLA's PAD_SLOT_ID = -1 included); read entries must
+    lie in [0, P); a row written by one sequence must be neither written nor read by another
+    (the result would depend on the order the programs run in).
+    """
+    idx = idx_t.tolist()
+    if idx_t.dim() == 1:
+        idx = [[i] for i in idx]
+    S = idx_t.shape[1] if idx_t.dim() == 2 else 1
+    acc = acc_t.tolist() if acc_t is not None else None
+    readers, writer = {}, {}
+    for n, L in enumerate(lengths):
+        if L == 0:
+            continue  # FLA skips a sequence without tokens: none of its entries are read
+        if reads:
+            c = 0
+            if acc is not None:
+                if not 1 <= acc[n] <= S:
+                    raise ValueError(f"num_accepted_tokens[{n}] must lie in [1, {S}] (a column of ssm_state_indices), "
+                                     f"got {acc[n]}")
+                c = acc[n] - 1
+            r = idx[n][c]
+            if not 0 <= r < P:
+                raise ValueError(f"ssm_state_indices[{n}, {c}] (sequence {n}'s initial-state row) must lie in "
+                                 f"[0, {P - 1}] for a pool of {P} rows, got {r}")
+            readers.setdefault(r, set()).add(n)
+        if writes:
+            for j in range(L):
+                r = idx[n][j]
+                if not 0 <= r < P:
+                    raise ValueError(f"ssm_state_indices[{n}, {j}] (the row that receives the state after token {j} "
+                                     f"of sequence {n}) must lie in [0, {P - 1}] for a pool of {P} rows, got {r}")
+                if writer.setdefault(r, n) != n:
+                    raise ValueError(f"ssm_state_indices: row {r} is written by sequences {writer[r]} and {n}; "
+                                     f"rows written by different sequences must be distinct")
+    for r, ns in readers.items():
+        others = sorted(n for n in ns if r in writer and n != writer[r])
+        if others:
+            raise ValueError(f"ssm_state_indices: row {r} is read by sequence {others[0]} and written by sequence "
+                             f"{writer[r]}; a row one sequence writes cannot be another's initial state")
+
+
+def _check_pool(pool, state_indices, num_accepted_tokens, shape, cu_seqlens, device) -> None:
     if not isinstance(pool, torch.Tensor):
         raise TypeError(f"state_pool must be a torch.Tensor, got {type(pool).__name__}")
     if pool.dtype not in POOL_DTYPES:
@@ -326,8 +631,9 @@ def _check_pool(pool, state_indices, num_accepted_tokens, shape, cu_seqlens) -> 
     if pool.dim() != 4 or tuple(pool.shape[1:]) != (shape.HV, shape.V, shape.K):
         raise ValueError(f"state_pool must have shape [P, HV, V, K] = [P, {shape.HV}, {shape.V}, {shape.K}] "
                          f"(value-first), got {list(pool.shape)}")
-    if not pool.is_contiguous():
-        raise ValueError(f"state_pool must be contiguous (it is updated in place), got strides {tuple(pool.stride())}")
+    if pool.device != device:
+        raise ValueError(f"state_pool must be on q's device {device}, got {pool.device}")
+    check_state_rows("state_pool", pool)
     if not isinstance(state_indices, torch.Tensor):
         raise TypeError(f"state_indices must be a torch.Tensor, got {type(state_indices).__name__}")
     for name, t in (("state_indices", state_indices), ("num_accepted_tokens", num_accepted_tokens)):
@@ -372,3 +678,20 @@ def _check_index_values(P, state_indices, num_accepted_tokens, cu_seqlens, shape
             if r >= 0 and owner.setdefault(r, n) != n:
                 raise ValueError(f"state_indices rows must be distinct across sequences: row {r} is used by "
                                  f"sequences {owner[r]} and {n}")
+
+
+def check_state_rows(name: str, pool: torch.Tensor) -> None:
+    """A pool's rows may be padded (row stride above the row size, e.g. a slice of a wider cache),
+    but each row must be dense: the kernels address a row as ``base + slot * stride(0)``."""
+    row = pool.shape[1] * pool.shape[2] * pool.shape[3]
+    if pool.shape[0] and not pool[0].is_contiguous():
+        raise ValueError(f"{name} rows must be dense [{', '.join(map(str, pool.shape[1:]))}] blocks (only the row "
+                         f"stride may differ from a contiguous tensor's), got strides {tuple(pool.stride())}")
+    if pool.shape[0] <= 1 or pool.stride(0) == row:
+        return  # one row (its stride is never used) or contiguous rows
+    if pool.stride(0) < row:
+        raise ValueError(f"{name} rows must not overlap: row stride >= the row size {row} elements, "
+                         f"got row stride {pool.stride(0)}")
+    if (pool.stride(0) * pool.element_size()) % 16:
+        raise ValueError(f"{name} padded rows need a 16-byte aligned row stride, got {pool.stride(0)} elements "
+                         f"({pool.stride(0) * pool.element_size()} bytes)")

@@ -318,9 +318,6 @@ class FusedRecurrentKDAFunction(torch.autograd.Function):
 # Public function
 # ---------------------------------------------------------------------------------------------
 
-_POOL_ARGS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state")
-
-
 def fused_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -345,6 +342,10 @@ def fused_recurrent_kda(
     final_state_out: torch.Tensor | None = None,
     workspace: Workspace | None = None,
     segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    inplace_final_state: bool = False,
+    check_indices: bool = True,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Recurrent Kimi Delta Attention with FLA 0.6.0's ``fused_recurrent_kda`` arguments, differentiable.
@@ -370,10 +371,29 @@ def fused_recurrent_kda(
             segment from state checkpoints, so its scratch scales with segment_tokens, not T
             (``kdakit.recurrent_kda_backward``).
 
+    Serving arguments (FLA 0.6.0's ``fused_recurrent_kda_fwd``, the vLLM entry; forward only):
+        ssm_state_indices: int32/int64 ``[N]`` or ``[N, S]``: initial_state is then a state
+            pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` with state_v_first; rows may be padded,
+            16-byte aligned row stride) and sequence ``n`` starts from row
+            ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` (column 0 without counts).
+        num_accepted_tokens: int ``[N]`` (needs ssm_state_indices).
+        inplace_final_state: write states into initial_state instead of a new tensor: the
+            state after token ``t`` of sequence ``n`` goes to row ``ssm_state_indices[n, t]``
+            (without indices, sequence n's final state to row n); returns
+            ``(o, initial_state)``. Default False, as FLA's ``fused_recurrent_kda``
+            (``fused_recurrent_kda_fwd`` defaults to True).
+        check_indices: check the index entries the kernel reads on the host (a device sync;
+            skipped during CUDA-graph capture): they must lie in ``[0, P)`` and rows written
+            by one sequence must not be used by another. Entries never read (FLA's
+            ``PAD_SLOT_ID = -1`` in unused columns, sequences without tokens) may hold
+            anything. FLA does not check; its kernel addresses memory outside the pool for a
+            negative entry it reads, which kdakit refuses.
+        See ``kdakit.ops.kda.decode.fused_recurrent_kda_serving`` for the full contract (it
+        shares ``kdakit.kda_decode``'s kernel).
+
     Gradients flow to q, k, v, g, beta, A_log, dt_bias and initial_state; the backward
     (``kdakit.recurrent_kda_backward``) recomputes the recurrence, see its docstring for
-    its scratch memory. The pool arguments of FLA's vLLM kernel (``ssm_state_indices``,
-    ``num_accepted_tokens``, ``inplace_final_state``) belong to ``kdakit.kda_decode``.
+    its scratch memory.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (float64 on
@@ -384,11 +404,23 @@ def fused_recurrent_kda(
         if state_v_first:
             raise ValueError("pass state_v_first or its old name transpose_state_layout, not both")
         state_v_first = bool(kwargs.pop("transpose_state_layout"))
-    for name in _POOL_ARGS:
-        if name in kwargs:
-            raise TypeError(f"fused_recurrent_kda does not take {name}; state pools are served by kdakit.kda_decode")
     if kwargs:
         raise TypeError(f"fused_recurrent_kda got unexpected keyword argument(s) {sorted(kwargs)}")
+    if ssm_state_indices is not None or num_accepted_tokens is not None or inplace_final_state is not False:
+        # Imported here: decode imports this module's per-token Triton functions.
+        from kdakit.ops.kda.decode import fused_recurrent_kda_serving
+
+        opts = dict(
+            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            lower_bound=lower_bound, state_v_first=state_v_first,
+        )
+        return fused_recurrent_kda_serving(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+            output_final_state=output_final_state, opts=opts, cu_seqlens=cu_seqlens, safe_gate=safe_gate, out=out,
+            final_state_out=final_state_out, workspace=workspace, ssm_state_indices=ssm_state_indices,
+            num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state,
+            check_indices=check_indices)
 
     check_segment_tokens(segment_tokens)
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
