@@ -385,3 +385,124 @@ def test_decode_cuda_graph_capture_and_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager_o) and torch.equal(pool, eager_pool)
+
+
+# --- fused_recurrent_kda's serving arguments (FLA 0.6.0's fused_recurrent_kda_fwd) -------------
+
+def _serving_case(seed, pool_dtype, v_first, padded):
+    """N = 64 sequences of 0-3 tokens (packed), a pool of 256 rows (optionally padded rows),
+    [N, 3] per-token rows with -1 in the columns no token reaches, random accepted counts."""
+    N, S, P, H, K, V = 64, 3, 256, 32, 128, 128
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, S + 1, (N,), generator=gen)
+    lens[0] = S
+    t, kw = _inputs(seed, B=1, T=int(lens.sum()), H=H, K=K, V=V, gate="safe", seqlens=lens.tolist())
+    kw.pop("safe_gate")
+    rows = torch.randperm(P, generator=gen)[:N * S].view(N, S).to(torch.int32)
+    rows[torch.arange(S)[None, :] >= lens[:, None].clamp(min=1)] = -1  # never written or read
+    rows[lens == 0] = -1  # sequences without tokens read nothing
+    # in [1, lens]: the accepted column is one this step's tokens also write, so it holds a row
+    accepted = (torch.randint(0, S, (N,), generator=gen) % lens.clamp(min=1) + 1).to(torch.int32)
+    shape = (P, H, V, K) if v_first else (P, H, K, V)
+    init = (0.3 * torch.randn(*shape, generator=gen)).to(pool_dtype)
+
+    def make_pool():
+        """A fresh pool holding ``init``, and the padding after each row (None for a dense pool)."""
+        if not padded:
+            return init.clone().to(DEV), None
+        row = H * K * V
+        buf = torch.full((P, row + 64), 7.0, dtype=pool_dtype, device=DEV)
+        pool = buf[:, :row].view(shape)
+        pool.copy_(init)
+        return pool, buf[:, row:]
+
+    return t, kw, rows.to(DEV), accepted.to(DEV), make_pool
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_serving_args_match_fla(monkeypatch, pool_dtype, v_first, padded):
+    """Speculative decoding into a pool, in place: the Triton kernel against kdakit's PyTorch
+    path (always) and against FLA's fused_recurrent_kda_fwd on the same inputs (when fla imports)."""
+    t, kw, rows, accepted, make_pool = _serving_case(20, pool_dtype, v_first, padded)
+    kw = dict(kw, state_v_first=v_first)
+    cu = kw["cu_seqlens"]
+    args = dict(ssm_state_indices=rows, num_accepted_tokens=accepted, inplace_final_state=True)
+    pool, pad = make_pool()
+    o, final = _call_fwd(dict(t, initial_state=pool), kw, **args)
+    assert final is pool
+    monkeypatch.setenv("KDAKIT_BACKEND", "torch")
+    ref_pool, _ = make_pool()
+    ref_o, _ = _call_fwd(dict(t, initial_state=ref_pool), kw, **args)
+    pool_ratio = 1e-2 if pool_dtype == torch.bfloat16 else 1e-5
+    assert_close("o vs PyTorch path", ref_o, o, 1e-4 if pool_dtype == torch.float32 else 1e-2)
+    assert_close("pool vs PyTorch path", ref_pool.float(), pool.float(), pool_ratio)
+    if pad is not None:
+        assert torch.equal(pad, torch.full_like(pad, 7.0)), "the kernel wrote into the row padding"
+
+    fla = pytest.importorskip("fla.ops.kda.fused_recurrent")
+    fla_pool, _ = make_pool()  # FLA reads rows through stride(0) too
+    fla_o, fla_final = fla.fused_recurrent_kda_fwd(
+        t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"], initial_state=fla_pool,
+        inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=rows, num_accepted_tokens=accepted,
+        state_v_first=v_first, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=kw["lower_bound"])
+    assert fla_final is fla_pool
+    assert_close("o vs FLA", fla_o, o, 1e-4 if pool_dtype == torch.float32 else 1e-2)
+    assert_close("pool vs FLA", fla_pool.float(), pool.float(), pool_ratio)
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+def test_serving_decode_not_in_place_matches_fla(v_first):
+    """One token per sequence, [N] indices, inplace_final_state=False: a new fp32 [N, ...] final state."""
+    N, P = 64, 96
+    t, kw = _decode_inputs(21, N, 1)
+    kw = dict(kw, state_v_first=v_first, output_final_state=True)
+    shape = (P, 32, 128, 128)
+    pool = 0.3 * torch.randn(*shape, device=DEV)
+    before = pool.clone()
+    idx = torch.randperm(P, device=DEV)[:N].to(torch.int32)
+    o, final = _call_fwd(dict(t, initial_state=pool), kw, ssm_state_indices=idx)
+    assert torch.equal(pool, before) and final.shape == (N, 32, 128, 128) and final.dtype == torch.float32
+    h0 = before[idx.long()]
+    ref = naive_recurrent_kda(*(t[n].double() for n in ("q", "k", "v", "g", "beta")), A_log=t["A_log"].double(),
+                              dt_bias=t["dt_bias"].double(), initial_state=h0.double(), **kw)
+    assert_close("o", ref[0], o, BF16_RATIO)
+    assert_close("final", ref[1], final, 1e-4)
+    fla = pytest.importorskip("fla.ops.kda.fused_recurrent")
+    fla_o, fla_final = fla.fused_recurrent_kda_fwd(
+        t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"], initial_state=pool,
+        inplace_final_state=False, output_final_state=True, ssm_state_indices=idx, state_v_first=v_first,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        lower_bound=kw["lower_bound"])
+    assert_close("o vs FLA", fla_o, o, 1e-2)
+    assert_close("final vs FLA", fla_final, final, 1e-5)
+
+
+def test_serving_cuda_graph_capture_and_replay():
+    t, kw, rows, accepted, make_pool = _serving_case(22, torch.bfloat16, False, True)
+    pool, _ = make_pool()
+    start = pool.clone()
+    out = torch.empty_like(t["v"])
+    ws = Workspace(DEV)
+    args = dict(ssm_state_indices=rows, num_accepted_tokens=accepted, inplace_final_state=True, out=out,
+                workspace=ws)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _call_fwd(dict(t, initial_state=pool), kw, **args)
+    stream.synchronize()
+    eager_o, eager_pool = out.clone(), pool.clone()
+    pool.copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        before = _allocations()
+        _call_fwd(dict(t, initial_state=pool), kw, **args)
+        during = _allocations()
+    assert during == before, "the capture allocated memory"
+    pool.copy_(start)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_o) and torch.equal(pool, eager_pool)
