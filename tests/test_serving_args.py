@@ -296,3 +296,16 @@ def test_unchecked_indices_are_not_read_on_the_host(backend):
     o_a, _ = _run(t, kw, pool_a, ssm_state_indices=idx, inplace_final_state=True)
     o_b, _ = _run(t, kw, pool_b, ssm_state_indices=idx, inplace_final_state=True, check_indices=False)
     assert torch.equal(o_a, o_b) and torch.equal(pool_a, pool_b)
+
+
+def test_unchecked_rows_outside_the_pool_are_skipped_alike(backend):
+    """Without the host check, a read row outside the pool is never dereferenced: that sequence
+    gets zeros and writes nothing (the same on both backends), the others are unaffected."""
+    t, kw = _tokens(27, N=2, T=1)
+    pool = _pool(28, 3, False)
+    before = pool.clone()
+    o, _ = _run(t, kw, pool, ssm_state_indices=_i32([-1, 2]), inplace_final_state=True, check_indices=False)
+    assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.equal(pool[:2], before[:2])
+    ref_o, ref_s = _naive({n: (x[1:] if x.dim() >= 3 else x) for n, x in t.items()}, kw, before[2:], False)
+    assert_close("o", ref_o, o[1:], FP32_RATIO)
+    assert_close("row 2", ref_s, pool[2:], FP32_RATIO)

@@ -387,7 +387,8 @@ def fused_recurrent_kda(
             by one sequence must not be used by another. Entries never read (FLA's
             ``PAD_SLOT_ID = -1`` in unused columns, sequences without tokens) may hold
             anything. FLA does not check; its kernel addresses memory outside the pool for a
-            negative entry it reads, which kdakit refuses.
+            negative entry it reads, which kdakit refuses. Unchecked, a read row outside the
+            pool is never dereferenced: that sequence gets zeros and writes nothing.
         See ``kdakit.ops.kda.decode.fused_recurrent_kda_serving`` for the full contract (it
         shares ``kdakit.kda_decode``'s kernel).
 
