@@ -53,7 +53,7 @@ from kdakit.ops.kda.fused_recurrent import (
     qk_activation,
 )
 from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
-from kdakit.ops.kda.validate import STATE_DTYPES, validate_kda_inputs
+from kdakit.ops.kda.validate import STATE_DTYPES, flat_gate_params, validate_kda_inputs
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
@@ -345,7 +345,9 @@ def kda_decode(
         state_indices: int32 ``[N]`` (one row per sequence) or ``[N, S]`` (one row per token,
             S >= tokens per sequence); ``-1`` = padded/skip.
         A_log, dt_bias, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, safe_gate: as ``chunk_kda``.
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, safe_gate: as ``chunk_kda``;
+            A_log may also be ``[HV, 1]`` or ``[1, 1, HV, 1]`` and dt_bias ``[HV, K]`` (dense; read
+            through a flat view).
         cu_seqlens: int ``[N + 1]`` offsets when sequences carry different token counts.
         num_accepted_tokens: int32 ``[N]`` with ``[N, S]`` indices: read column
             ``num_accepted_tokens[n] - 1``.
@@ -382,7 +384,7 @@ def kda_decode(
             q, k, v, g, beta, scale=scale, initial_state=None, use_gate_in_kernel=use_gate_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias, state_v_first=True,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=cu_seqlens, engine_gate_shapes=True,
         )
         N, K = shape.N, shape.K
         _check_pool(state_pool, state_indices, num_accepted_tokens, shape, cu_seqlens, device)
@@ -391,6 +393,7 @@ def kda_decode(
         if out is not None:
             check_out("out", out, v.shape, v.dtype, device)
     scale = float(K ** -0.5 if scale is None else scale)
+    A_log, dt_bias = flat_gate_params(A_log, dt_bias)  # engine shapes -> the [HV] / [HV * K] views the kernel reads
     if not use_gate_in_kernel:
         A_log = dt_bias = None
         opts["lower_bound"] = None
@@ -474,6 +477,7 @@ def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_sta
             use_gate_in_kernel=opts["use_gate_in_kernel"], use_beta_sigmoid_in_kernel=opts["use_beta_sigmoid_in_kernel"],
             allow_neg_eigval=opts["allow_neg_eigval"], safe_gate=safe_gate, lower_bound=opts["lower_bound"],
             A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+            engine_gate_shapes=True,
         )
         N, K = shape.N, shape.K
         _check_serving_args(q, k, v, g, beta, A_log, dt_bias, shape, initial_state, ssm_state_indices,
@@ -486,6 +490,7 @@ def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_sta
                                         reads=initial_state is not None, writes=inplace_final_state)
     HV, V = v.shape[2], v.shape[3]
     scale = float(K ** -0.5 if opts["scale"] is None else opts["scale"])
+    A_log, dt_bias = flat_gate_params(A_log, dt_bias)  # engine shapes -> the [HV] / [HV * K] views the kernel reads
     if not opts["use_gate_in_kernel"]:
         # FLA reads A_log, dt_bias and lower_bound only for the in-kernel gate.
         A_log = dt_bias = None

@@ -36,7 +36,7 @@ import triton.language as tl
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.chunk_common import gate_mode, seq_bounds
 from kdakit.ops.kda.naive import naive_recurrent_kda
-from kdakit.ops.kda.validate import validate_kda_inputs
+from kdakit.ops.kda.validate import flat_gate_params, validate_kda_inputs
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
@@ -355,7 +355,9 @@ def fused_recurrent_kda(
         v: ``[B, T, HV, V]``; HV a multiple of H (value head i uses q/k head ``i // (HV // H)``).
         g: ``[B, T, HV, K]`` log-decay, or the raw gate with ``use_gate_in_kernel``.
         beta: ``[B, T, HV]`` beta, or logits with ``use_beta_sigmoid_in_kernel``.
-        A_log: ``[HV]`` fp32; dt_bias: ``[HV * K]`` fp32 (used with ``use_gate_in_kernel``).
+        A_log: ``[HV]`` fp32; dt_bias: ``[HV * K]`` fp32 (used with ``use_gate_in_kernel``). The
+            engine shapes ``[HV, 1]`` / ``[1, 1, HV, 1]`` and ``[HV, K]`` are read through a flat
+            view (dense tensors only; gradients come back in the caller's shape).
         scale: output scale, default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), fp32 or bf16.
         output_final_state: also return the final state (fp32, same layout as initial_state).
@@ -449,7 +451,7 @@ def fused_recurrent_kda(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, use_gate_in_kernel=use_gate_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
-            state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens, engine_gate_shapes=True,
         )
         N, K = shape.N, shape.K
         if out is not None:
@@ -462,6 +464,7 @@ def fused_recurrent_kda(
             want = (N, shape.HV, shape.V, K) if state_v_first else (N, shape.HV, K, shape.V)
             check_out("final_state_out", final_state_out, want, torch.float32, device)
     opts["scale"] = float(K ** -0.5 if scale is None else scale)
+    A_log, dt_bias = flat_gate_params(A_log, dt_bias)  # engine shapes -> the [HV] / [HV * K] views read below
     if use_gate_in_kernel:
         A_log_k, dt_bias_k = A_log, dt_bias
     else:

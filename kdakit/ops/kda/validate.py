@@ -74,12 +74,51 @@ def _check_offset_values(name: str, cu: list[int], T: int) -> None:
         raise ValueError(f"{name} must end at T={T} (q.shape[1]), got {cu[-1]}")
 
 
-def _check_unit_stride(name: str, t: torch.Tensor) -> None:
-    """The kernels read gate parameters as dense vectors: a strided view (e.g. ``big[::2]``) is refused,
-    on every backend, rather than read wrongly (the H200 gave a silently wrong output for it)."""
-    if t.numel() > 1 and t.stride(0) != 1:
-        raise ValueError(f"{name} must be a dense vector (element stride 1), got stride {t.stride(0)}; "
-                         f"pass {name}.contiguous()")
+# Gate parameter shapes accepted besides the flat ones: engines keep A_log as [HV, 1] or
+# [1, 1, HV, 1] (broadcast against [B, T, HV, K]) and dt_bias as [HV, K]. Every shape holds the
+# same elements in the same order, so a dense tensor of any of them is one flat view away from
+# the [HV] / [HV * K] vector the kernels read.
+def _gate_param_shapes(name: str, HV: int, K: int) -> tuple[tuple[int, ...], ...]:
+    if name == "A_log":
+        return (HV,), (HV, 1), (1, 1, HV, 1)
+    return (HV * K,), (HV, K)
+
+
+def _check_gate_param(name: str, t, HV: int, K: int, dtypes, engine_shapes: bool) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    flat, *engine = _gate_param_shapes(name, HV, K)
+    allowed = (flat, *engine) if engine_shapes else (flat,)
+    if tuple(t.shape) not in allowed:
+        spelled = {"A_log": ("[HV]", "[HV, 1]", "[1, 1, HV, 1]"), "dt_bias": ("[HV * K]", "[HV, K]")}[name]
+        spelled = spelled if engine_shapes else spelled[:1]
+        sizes = f"HV={HV}" if name == "A_log" else f"HV={HV}, K={K}"
+        raise ValueError(f"{name} must have shape {' or '.join(spelled)} with {sizes} "
+                         f"({' or '.join('[' + ', '.join(map(str, s)) + ']' for s in allowed)}), got {_shape(t)}")
+    # The kernels read gate parameters as dense vectors (the chunk kernels' stride_alog /
+    # stride_bias is stride(0) of a 1-D tensor; the others assume stride 1): a strided view
+    # (e.g. ``big[::2]``, or ``w[:, :K]`` of a wider [HV, K'] tensor) is refused on every backend
+    # rather than read wrongly (the H200 gave a silently wrong output for one). is_contiguous()
+    # ignores the strides of size-1 dims, which no read ever steps along, so a contiguous tensor
+    # of an engine shape always has a flat view (``flat_gate_params``) with element stride 1.
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be a dense vector (contiguous, element stride 1), got shape {_shape(t)} "
+                         f"with strides {tuple(t.stride())}; pass {name}.contiguous()")
+
+
+def flat_gate_params(A_log, dt_bias):
+    """The ``[HV]`` / ``[HV * K]`` views of gate parameters that ``validate_kda_inputs`` accepted with
+    ``engine_gate_shapes=True`` (an engine's ``[HV, 1]``, ``[1, 1, HV, 1]``, ``[HV, K]``).
+
+    ``view``, never ``reshape``: validation admitted only contiguous tensors, so this is always a
+    view (no copy, gradients flow back to the caller's tensor in its own shape); a tensor that
+    did not pass validation raises here rather than being copied silently. Metadata only, so it is
+    also safe while a CUDA graph is being captured (where validation is skipped: the captured
+    call's tensors are the warm call's, which were validated)."""
+    return (None if A_log is None else A_log.view(-1), None if dt_bias is None else dt_bias.view(-1))
 
 
 def validate_kda_inputs(
@@ -96,6 +135,7 @@ def validate_kda_inputs(
     state_v_first: bool,
     cu_seqlens,
     cu_seqlens_cpu=None,
+    engine_gate_shapes: bool = False,
 ) -> KDAShape:
     """Check the full ``chunk_kda`` / ``fused_recurrent_kda`` contract (SPEC §2).
 
@@ -105,6 +145,13 @@ def validate_kda_inputs(
     shape, length equal to ``cu_seqlens_cpu``'s, device) and its values are not read, so the
     call does no device->host synchronization. Comparing the two would need that read: the
     caller promises they are equal, as in FLA.
+
+    ``engine_gate_shapes``: also accept ``A_log`` as ``[HV, 1]`` or ``[1, 1, HV, 1]`` and
+    ``dt_bias`` as ``[HV, K]`` (dense, like the flat ones). A caller that sets it must hand the
+    kernels ``flat_gate_params(A_log, dt_bias)``, not the tensors as given: the launchers and the
+    backward's gradient shapes assume ``[HV]`` / ``[HV * K]`` (the chunk kernels' stride_alog is
+    ``A_log.stride(0)``, which for a ``[1, 1, HV, 1]`` tensor is not the element stride). An op
+    that passes them on as they are leaves it False, so that it refuses those shapes instead.
     """
     _check_tensor("q", q, 4)
     _check_tensor("k", k, 4)
@@ -151,15 +198,9 @@ def validate_kda_inputs(
     # Gate parameters are fp32 (float64 only alongside float64 tokens, for reference checks).
     param_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
     if A_log is not None:
-        _check_tensor("A_log", A_log, 1, param_dtypes)
-        if A_log.shape[0] != HV:
-            raise ValueError(f"A_log must have shape [HV] = [{HV}], got {_shape(A_log)}")
-        _check_unit_stride("A_log", A_log)
+        _check_gate_param("A_log", A_log, HV, K, param_dtypes, engine_gate_shapes)
     if dt_bias is not None:
-        _check_tensor("dt_bias", dt_bias, 1, param_dtypes)
-        if dt_bias.shape[0] != HV * K:
-            raise ValueError(f"dt_bias must have shape [HV * K] = [{HV * K}], got {_shape(dt_bias)}")
-        _check_unit_stride("dt_bias", dt_bias)
+        _check_gate_param("dt_bias", dt_bias, HV, K, param_dtypes, engine_gate_shapes)
 
     N, seqlens = B, None
     if cu_seqlens_cpu is not None and cu_seqlens is None:
