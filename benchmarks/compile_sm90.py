@@ -76,7 +76,9 @@ def main():
     ap.add_argument("--warps-fwd", type=int, default=F.STATE_NUM_WARPS)
     ap.add_argument("--fwd-bv", type=int, default=F.STATE_BLOCK_V)
     ap.add_argument("--fwd-stages", type=int, default=F.STATE_NUM_STAGES)
-    ap.add_argument("--warps-intra", type=int, default=F.INTRA_NUM_WARPS)
+    ap.add_argument("--warps-pair64", type=int, default=F.PAIR_NUM_WARPS)
+    ap.add_argument("--warps-solve", type=int, default=F.SOLVE_NUM_WARPS)
+    ap.add_argument("--warps-wu", type=int, default=F.WU_NUM_WARPS)
     ap.add_argument("--intra-bk", type=int, default=F.INTRA_BLOCK_K)
     a = ap.parse_args()
     c = dict(K=128, V=128, C=64, GATE=2, HAS_A_LOG=True, HAS_BIAS=True, USE_L2NORM=True, BETA_SIGMOID=True,
@@ -95,8 +97,12 @@ def main():
         build(F.chunk_kda_fwd64_state_kernel, dict(fc, BK=128, BV=a.fwd_bv, HAS_H0=False, STORE_HT=False,
                                                     LOOP_WHILE=False), a.warps_fwd, a.fwd_stages)
     if "intra" in only:
-        build(F.chunk_kda_fwd64_intra_kernel, dict(c, SUBC=16, BK=a.intra_bk, BKF=128, BV=64, BKS=16,
-                                                    SAFE=bool(a.safe)), a.warps_intra)
+        build(F.chunk_kda_fwd64_pair_kernel, dict({n: c[n] for n in c if n != "V"}, V=128, SUBC=16, BK=a.intra_bk,
+                                                   BKF=128, BKS=16, SAFE=bool(a.safe)), a.warps_pair64)
+        build(F.chunk_kda_fwd64_solve_kernel, dict(C=64, SUBC=16), a.warps_solve)
+        build(F.chunk_kda_fwd64_wu_kernel, dict({n: c[n] for n in ("K", "V", "C", "BETA_SIGMOID", "NEG_EIGVAL",
+                                                                 "IS_VARLEN", "OP_BF16", "EMULATE_BF16", "DOT_PREC")},
+                                               BK=a.intra_bk, BV=64), a.warps_wu)
     if "grads" in only:
         gc = {n: c[n] for n in c if n != "SAFE"}
         build(M.chunk_kda_bwd_state_grads_kernel, dict(gc, BK=128, BV=128, BVS=M.GRADS_BLOCK_V), a.warps_grads)

@@ -115,7 +115,8 @@ def main():
     # launch-configuration knobs of the 64-token pipeline, name -> (module, attribute)
     knobs = {"prep": (P, "PREP_NUM_WARPS"), "fwd": (F, "STATE_NUM_WARPS"), "fbv": (F, "STATE_BLOCK_V"),
              "states": (M, "STATES_NUM_WARPS"), "sbv": (M, "STATES_BLOCK_V"), "grads": (M, "GRADS_NUM_WARPS"),
-             "gbv": (M, "GRADS_BLOCK_V"), "pair": (M, "PAIR_NUM_WARPS"), "intra": (F, "INTRA_NUM_WARPS"),
+             "gbv": (M, "GRADS_BLOCK_V"), "pair": (M, "PAIR_NUM_WARPS"), "pair64": (F, "PAIR_NUM_WARPS"),
+             "solve": (F, "SOLVE_NUM_WARPS"), "wu": (F, "WU_NUM_WARPS"),
              "ibk": (F, "INTRA_BLOCK_K"), "fst": (F, "STATE_NUM_STAGES")}
     variants = [""] + [v for v in a.variants.split(";") if v]
     for var in variants:

@@ -25,11 +25,10 @@ SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kdakit", "
 
 ABLATIONS = {
     # the pairwise matrices: two plain dots instead
-    "nopair": ("        dqk, dkk = pairwise_qk_kk_block(",
+    "nopair": ("        dqk, dkk = pairwise_qk_kk_block(qn, kn, G, SAFE, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)\n",
                "        dqk = tl.dot(qn.to(tl.bfloat16), tl.trans(kn.to(tl.bfloat16)))\n"
-               "        dkk = tl.dot(kn.to(tl.bfloat16), tl.trans(kn.to(tl.bfloat16)))\n"
-               "        _unused = ("),
-    "noinv": ("    unit_lower_inverse_in_place(slot, C, SUBC)\n", ""),
+               "        dkk = tl.dot(kn.to(tl.bfloat16), tl.trans(kn.to(tl.bfloat16)))\n"),
+    "noinv": ("    unit_lower_inverse_in_place(scratch + (i_t * HV + i_hv) * (C * C), C, SUBC)\n", "    pass\n"),
     "nowu": ("    for k0 in tl.static_range(0, K, BK):\n        X = dot_operand(", "    for k0 in tl.static_range(0, 0, BK):\n        X = dot_operand("),
     "nou": ("    for v0 in tl.static_range(0, V, BV):\n        vb =", "    for v0 in tl.static_range(0, 0, BV):\n        vb ="),
 }
@@ -37,7 +36,7 @@ ABLATIONS = {
 
 def load_variant(name: str, src: str):
     for part in filter(None, name.split("+")):
-        if part in ("full", "old") or part.startswith("w"):
+        if part in ("full", "old") or (part[:1] in "psuw" and part[1:].isdigit()):
             continue
         old, new = ABLATIONS[part]
         if old not in src:
@@ -81,8 +80,12 @@ def main():
         try:
             mod = load_variant(name, src)
             for part in name.split("+"):
-                if part.startswith("w") and part[1:].isdigit():
-                    mod.INTRA_NUM_WARPS = int(part[1:])
+                # launch knobs: p<warps> pair kernel, s<warps> solve kernel, u<warps> wu kernel, w<warps> the
+                # fused kernel of an older source
+                for pre, attr in (("p", "PAIR_NUM_WARPS"), ("s", "SOLVE_NUM_WARPS"), ("u", "WU_NUM_WARPS"),
+                                  ("w", "INTRA_NUM_WARPS")):
+                    if part.startswith(pre) and part[1:].isdigit():
+                        setattr(mod, attr, int(part[1:]))
 
             def fn():
                 mod.run_intra(q, k, v, g, beta, A_log, dt_bias, cu, pairs, out, opts)

@@ -1,20 +1,20 @@
 """Forward of chunked KDA at 64-token chunks (``KDAKIT_CHUNK_PIPELINE=chunk64``; the default is the 16-token
-forward of ``chunk_fwd.py``): one parallel intra kernel, then one serial state kernel.
+forward of ``chunk_fwd.py``): three parallel intra kernels, then one serial state kernel.
 
 Per chunk of C = 64 tokens and value head, with G the chunk cumsum of the log-decay, Γ = exp(G),
 g_C = G at the last row and S ``[K, V]`` the state entering the chunk (fp32)::
 
-    Akk, Aqk (pairwise, 16-token sub-chunks: chunk_tiles)     Tinv = (I + beta Akk)^-1
-    W = Tinv (beta k Γ)    U = Tinv (beta v)    qΓ    kd = k exp(g_C - G)            (intra kernel)
+    Akk, Aqk (pairwise, 16-token sub-chunks), qΓ, kd = k exp(g_C - G), beta k Γ     (pair kernel)
+    Tinv = (I + beta Akk)^-1                                                          (solve kernel)
+    W = Tinv (beta k Γ)    U = Tinv (beta v)                                          (wu kernel)
     V' = U - W S    O = scale (qΓ S + Aqk V')    S <- exp(g_C) S + kd^T V'            (state kernel)
 
-``chunk_kda_fwd64_intra_kernel``, grid ``(chunks, HV)``: K in BK-column blocks (so no tile is wider than
-``[64, BK]``); the l2norm scales are per-row factors of the pairwise sums, so they are applied to the
-block tiles directly. The inverse works from memory: Akk goes to an fp32 scratch slot of the chunk, the
-four 16 x 16 diagonal blocks are inverted by forward substitution on rows loaded from it, the
-off-diagonal blocks by block substitution with exact fp32 dots, and the inverse is written back over
-the slot and re-read as one ``[64, 64]`` tile (rows and blocks come from memory, not from register
-shuffles). beta k Γ is parked in W's slot until the inverse is known; U is written into ``o``.
+The intra kernels have grid ``(chunks, HV)``. The pair kernel works on K in BK-column blocks (no tile wider
+than ``[64, BK]``); the l2norm scales are per-row factors of the pairwise sums, so they scale the block tiles
+directly. beta Akk goes to an fp32 scratch slot of the chunk; the solve kernel inverts it in place from
+memory (the four 16 x 16 diagonal blocks by forward substitution on rows loaded from the slot, the
+off-diagonal blocks by block substitution with exact fp32 dots); beta k Γ is parked in W's slot until the
+wu kernel replaces it by W, and U is written into ``o``.
 
 ``chunk_kda_fwd64_state_kernel``, grid ``(N * HV, cdiv(V, BV))``: one program walks a sequence for a block
 of value columns; a step only loads W, U, qΓ, kd, Aqk, exp(g_C) and runs four products (o is written over
@@ -27,11 +27,11 @@ backward's dq, dk, dv, dg (same sizes) reuse. Saves nothing for the backward (it
 
 Measured (H200, 1 x 8K H96, SPEC §3 flags, ``benchmarks/dev_intra64.py`` and ``dev_chunk_gpu.py``; results in
 ``benchmarks/results/chunk64_dev_h200.json``): state kernel 0.67 ms (5.3 us a step; the 16-token forward's
-state kernel takes 0.95 ms), intra kernel 5.0 ms, of which the inverse 1.5 ms; FLA 0.6.0 does the same
-intra work in ~1.7 ms. So this forward (5.7 ms of kernels) is slower than the default one (2.75 ms) until
-the intra kernel is: it runs at 255 registers, one 8-warp program per SM, and its steps (row extractions,
-the 15-step substitution, barriers) are latency that nothing else on the SM hides. Forming the sub-chunk
-references as 0/+-1 dots with tf32x3 instead of row extractions measured 13.5 ms (not kept).
+state kernel takes 0.95 ms). The three intra stages fused in one kernel took 5.0 ms (the inverse 1.5 of it;
+FLA 0.6.0 does the same intra work in ~1.7 ms): at 255 registers one 8-warp program runs per SM and its
+dependent steps (row extractions, the 15-step substitution, barriers) are latency nothing else hides,
+hence the split into three kernels. Forming the sub-chunk references as 0/+-1 dots with tf32x3 instead of
+row extractions measured 13.5 ms (not kept).
 
 Gates: SAFE (log-decay >= -5: one dot per matrix for the diagonal blocks) or EXACT (any gate: per-pair
 exponentials on the diagonal blocks, ``chunk_tiles.pairwise_diag_exact``). Layouts as ``chunk_fwd.py``.
@@ -65,7 +65,10 @@ from kdakit.ops.kda.chunk_tiles import (
     take_row,
 )
 
-INTRA_NUM_WARPS = 8  # H200, 1x8K H96: 5.0 ms at 8 warps, 5.5 at 4
+# H200, 1x8K H96: the three stages fused in one kernel took 5.0 ms at 8 warps (5.5 at 4), the inverse 1.5 of it
+PAIR_NUM_WARPS = 8
+SOLVE_NUM_WARPS = 4  # sm_90a: 215 registers, no spills (2 warps: 255 and spills)
+WU_NUM_WARPS = 4
 INTRA_BLOCK_K = 64  # 32: 6.6 ms
 STATE_NUM_WARPS = 4  # H200, 1x8K H96: 0.67 ms at 4 warps, 0.98 at 8 (2 stages; 1.10 with 1 stage)
 STATE_BLOCK_V = 64
@@ -137,27 +140,39 @@ def _mm(a, b):
 
 
 @triton.jit
+def _substitution_step(slot, X, s: tl.constexpr, I: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr):
+    """Row s of X = (I + L_II)^-1 - I: ``X[s] = -L[s] - sum_j L[s, j] X[j]`` (rows j < s final, the rest 0)."""
+    r = tl.arange(0, SUBC)
+    lrow = tl.load(slot + (SUBC * I + s) * C + SUBC * I + r)  # [SUBC], zero from column s on
+    new = -lrow - tl.sum(lrow[:, None] * X, axis=0)
+    return tl.where((r == s)[:, None], new[None, :], X)
+
+
+@triton.jit
 def unit_lower_inverse_in_place(slot, C: tl.constexpr, SUBC: tl.constexpr):
     """``(I + L)^-1`` of the strictly lower fp32 ``[C, C]`` matrix L in ``slot`` (row-major, zero on and above
     the diagonal), written back over it (C = 4 SUBC). The caller puts a barrier between its store of L and
     this call, and before it re-reads the slot.
 
-    Diagonal blocks: X = T - I by forward substitution, ``X[s] = -L[s] - L[s, :s] X[:s]``, the four blocks at
-    once on rows loaded from the slot (SUBC - 1 dependent steps). Off-diagonal blocks:
+    Diagonal blocks: X = T - I by forward substitution, ``X[s] = -L[s] - L[s, :s] X[:s]``, the four blocks
+    side by side on rows loaded from the slot (SUBC - 1 dependent steps). Off-diagonal blocks:
     ``T_IJ = -T_II sum_{J <= M < I} L_IM T_MJ`` with exact fp32 dots."""
-    NB: tl.constexpr = C // SUBC
-    bi = tl.arange(0, NB)
     r = tl.arange(0, SUBC)
-    X = tl.zeros([NB, SUBC, SUBC], dtype=tl.float32)
+    X0 = tl.zeros([SUBC, SUBC], dtype=tl.float32)
+    X1 = tl.zeros([SUBC, SUBC], dtype=tl.float32)
+    X2 = tl.zeros([SUBC, SUBC], dtype=tl.float32)
+    X3 = tl.zeros([SUBC, SUBC], dtype=tl.float32)
+    # four separate [SUBC, SUBC] tiles: a batched [4, SUBC, SUBC] tile measured 215 sm_90a registers at 4 warps
     for s in tl.static_range(1, SUBC):
-        lrow = tl.load(slot + (SUBC * bi[:, None] + s) * C + SUBC * bi[:, None] + r[None, :])  # [NB, SUBC]
-        new = -lrow - tl.sum(lrow[:, :, None] * X, axis=1)
-        X = tl.where((r == s)[None, :, None], new[:, None, :], X)
-    D = X + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
-    T00 = tl.sum(tl.where((bi == 0)[:, None, None], D, 0.0), axis=0)
-    T11 = tl.sum(tl.where((bi == 1)[:, None, None], D, 0.0), axis=0)
-    T22 = tl.sum(tl.where((bi == 2)[:, None, None], D, 0.0), axis=0)
-    T33 = tl.sum(tl.where((bi == 3)[:, None, None], D, 0.0), axis=0)
+        X0 = _substitution_step(slot, X0, s, 0, C, SUBC)
+        X1 = _substitution_step(slot, X1, s, 1, C, SUBC)
+        X2 = _substitution_step(slot, X2, s, 2, C, SUBC)
+        X3 = _substitution_step(slot, X3, s, 3, C, SUBC)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    T00 = X0 + eye
+    T11 = X1 + eye
+    T22 = X2 + eye
+    T33 = X3 + eye
     L10 = _load_block(slot, 1, 0, C, SUBC)
     L20 = _load_block(slot, 2, 0, C, SUBC)
     L21 = _load_block(slot, 2, 1, C, SUBC)
@@ -189,16 +204,17 @@ def unit_lower_inverse_in_place(slot, C: tl.constexpr, SUBC: tl.constexpr):
 
 
 @triton.jit
-def chunk_kda_fwd64_intra_kernel(
-    q, k, v, g, beta, A_log, dt_bias, u, w, kd, qg, aqk, egc, scratch, cu_seqlens, chunk_table,
+def chunk_kda_fwd64_pair_kernel(
+    q, k, g, beta, A_log, dt_bias, w, kd, qg, aqk, egc, scratch, cu_seqlens, chunk_table,
     lower_bound, T, H, HV, NTS, stride_alog, stride_bias,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BKF: tl.constexpr,
-    BV: tl.constexpr, BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
     IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """One (chunk, value head): W (over beta k Γ parked in its slot), U (into ``u``, i.e. o), qΓ, kd, Aqk,
-    exp(g_C). BK: key block of the tiles; BKF: the padded K (the EXACT diagonal blocks' width)."""
+    """One (chunk, value head), stage 1 of 3: qΓ, kd, exp(g_C), Aqk, beta k Γ (into W's slot) and beta Akk
+    (fp32, into the chunk's scratch slot). BK: key block of the tiles; BKF: the padded K (the EXACT diagonal
+    blocks' width)."""
     i_t = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -207,7 +223,6 @@ def chunk_kda_fwd64_intra_kernel(
     k_base = k + (bos * H + i_h) * K
     g_base = g + (bos * HV + i_hv) * K
     tok_k = (bos * HV + i_hv) * K
-    tok_v = (bos * HV + i_hv) * V
     tok_c = (bos * HV + i_hv) * C
     bias_ptr = bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS)
     expA = gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG)
@@ -256,9 +271,36 @@ def chunk_kda_fwd64_intra_kernel(
 
     slot = scratch + (i_t * HV + i_hv) * (C * C)
     tl.store(slot + rows[:, None] * C + rows[None, :], Akk * bt[:, None])  # beta_i Akk[i, j], strictly lower
-    tl.debug_barrier()  # the slot (and beta k Γ in W's slot) is re-read by other threads of this program
-    unit_lower_inverse_in_place(slot, C, SUBC)
-    tl.debug_barrier()
+
+
+@triton.jit
+def chunk_kda_fwd64_solve_kernel(scratch, C: tl.constexpr, SUBC: tl.constexpr):
+    """Stage 2 of 3, one (chunk, value head): ``(I + beta Akk)^-1`` over the scratch slot, in place. Its own
+    launch so that its 15 dependent substitution steps run at a small register footprint, many programs to
+    an SM, instead of inside the 255-register fused kernel (there the inverse cost 1.5 ms at 1 x 8K H96)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    HV = tl.num_programs(1)
+    unit_lower_inverse_in_place(scratch + (i_t * HV + i_hv) * (C * C), C, SUBC)
+
+
+@triton.jit
+def chunk_kda_fwd64_wu_kernel(
+    v, beta, u, w, scratch, cu_seqlens, chunk_table, T, HV, NTS,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Stage 3 of 3, one (chunk, value head): ``W = Tinv (beta k Γ)`` over its slot and ``U = Tinv (beta v)``
+    into ``u`` (o's buffer)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
+    tok_k = (bos * HV + i_hv) * K
+    tok_v = (bos * HV + i_hv) * V
+    rows = tl.arange(0, C)
+    bt, _ = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
+    slot = scratch + (i_t * HV + i_hv) * (C * C)
     Ti = dot_operand(tl.load(slot + rows[:, None] * C + rows[None, :]), OP_BF16, EMULATE_BF16)  # [C, C]
     for k0 in tl.static_range(0, K, BK):
         X = dot_operand(load_rows(w + tok_k, t0, seq_len, HV * K, k0, K, C, BK), OP_BF16, EMULATE_BF16)
@@ -336,7 +378,7 @@ def _state_step(S, t0, row, seq_len, HV, v0, scale, w_base, kd_base, qg_base, aq
 
 
 def run_intra(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, pairs, out: torch.Tensor, o: Chunk64Options) -> dict:
-    """Allocate the intra kernel's temporaries, run it (U into ``out``) and return name -> tensor."""
+    """Allocate the intra stage's temporaries, run its three kernels (U into ``out``) and return name -> tensor."""
     dev, C = q.device, CHUNK
     t = dict(w=torch.empty((o.B, o.T, o.HV, o.K), dtype=o.slot_dtype, device=dev),
              kd=torch.empty((o.B, o.T, o.HV, o.K), dtype=o.slot_dtype, device=dev),
@@ -345,12 +387,20 @@ def run_intra(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, pairs, out: torch.Te
              egc=torch.empty((o.NT, o.HV, o.K), dtype=torch.float32, device=dev))
     scratch = torch.empty((o.NT, o.HV, C, C), dtype=torch.float32, device=dev)
     if o.NT * o.HV > 0:
-        bk = min(INTRA_BLOCK_K, o.BK)
-        chunk_kda_fwd64_intra_kernel[(o.NT, o.HV)](
-            q, k, v, g, beta, A_log, dt_bias, out, t["w"], t["kd"], t["qg"], t["aqk"], t["egc"], scratch, cu_seqlens,
+        grid = (o.NT, o.HV)
+        cx = o.constexprs
+        chunk_kda_fwd64_pair_kernel[grid](
+            q, k, g, beta, A_log, dt_bias, t["w"], t["kd"], t["qg"], t["aqk"], t["egc"], scratch, cu_seqlens,
             pairs, o.lower_bound, o.T, o.H, o.HV, o.NTS, o.stride_alog, o.stride_bias,
-            K=o.K, V=o.V, C=C, SUBC=SUB, BK=bk, BKF=o.BK, BV=min(64, o.BV), BKS=min(EXACT_KEY_SLICE, o.BK),
-            SAFE=o.safe, **o.constexprs, num_warps=INTRA_NUM_WARPS, num_stages=1,
+            K=o.K, V=o.V, C=C, SUBC=SUB, BK=min(INTRA_BLOCK_K, o.BK), BKF=o.BK, BKS=min(EXACT_KEY_SLICE, o.BK),
+            SAFE=o.safe, **cx, num_warps=PAIR_NUM_WARPS, num_stages=1,
+        )
+        chunk_kda_fwd64_solve_kernel[grid](scratch, C=C, SUBC=SUB, num_warps=SOLVE_NUM_WARPS, num_stages=1)
+        chunk_kda_fwd64_wu_kernel[grid](
+            v, beta, out, t["w"], scratch, cu_seqlens, pairs, o.T, o.HV, o.NTS,
+            K=o.K, V=o.V, C=C, BK=min(INTRA_BLOCK_K, o.BK), BV=min(64, o.BV), BETA_SIGMOID=cx["BETA_SIGMOID"],
+            NEG_EIGVAL=cx["NEG_EIGVAL"], IS_VARLEN=o.varlen, OP_BF16=cx["OP_BF16"], EMULATE_BF16=cx["EMULATE_BF16"],
+            DOT_PREC=cx["DOT_PREC"], num_warps=WU_NUM_WARPS, num_stages=1,
         )
     del scratch
     return t
