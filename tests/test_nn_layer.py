@@ -244,7 +244,10 @@ def test_initialization():
     A_log = layer.A_log.detach()
     assert float(A_log.min()) >= 0.0 and float(A_log.max()) <= math.log(16.0)
     assert float(A_log.std()) > 0
-    assert torch.equal(layer.dt_bias, torch.zeros_like(layer.dt_bias))
+    # FLA's recipe: dt_bias is the inverse softplus of a log-uniform dt in [1e-3, 0.1]
+    dt = F.softplus(layer.dt_bias.detach().double())
+    assert float(dt.min()) >= 1e-3 * (1 - 1e-5) and float(dt.max()) <= 0.1 * (1 + 1e-5)
+    assert float(dt.log().std()) > 0.5, "dt must spread over the log range, not sit at one value"
     assert layer.A_log._no_weight_decay and layer.dt_bias._no_weight_decay
     assert layer.conv_channels == 2 * 4 * 16 + 8 * 16
     out, final = layer(torch.randn(1, 5, 64))

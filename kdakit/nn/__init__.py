@@ -1,5 +1,6 @@
 """Neural-network layers built on kdakit's KDA ops."""
 
 from kdakit.nn.kda_layer import KimiDeltaAttention
+from kdakit.nn.short_conv import ShortConvolution, short_conv
 
-__all__ = ["KimiDeltaAttention"]
+__all__ = ["KimiDeltaAttention", "ShortConvolution", "short_conv"]

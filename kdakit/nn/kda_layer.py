@@ -1,62 +1,82 @@
-"""``KimiDeltaAttention``: the KDA token mixer of Kimi Linear, built on ``kdakit.chunk_kda``.
+"""``KimiDeltaAttention``: the KDA token mixer of Kimi Linear, built on ``kdakit.chunk_kda``; a
+drop-in for FLA 0.6.0's ``fla.layers.KimiDeltaAttention`` (same constructor arguments, order
+and defaults, same parameter names and shapes, same initialization recipe).
 
-Per token (``x`` the hidden state ``[hidden]``, H q/k heads, HV value heads, head size K = V)::
+Per token (``x`` the hidden state ``[hidden]``, H q/k heads of size K = ``head_dim``, HV value
+heads of size V = ``head_dim * expand_v``)::
 
     q, k, v   = silu(conv(W_q x)), silu(conv(W_k x)), silu(conv(W_v x))   # causal depthwise conv, per sequence
-    g_raw     = W_f2 W_f1 x                    # low rank: hidden -> K -> HV * K
+    g_raw     = W_f2 W_f1 x                    # low rank: hidden -> V -> HV * K
     beta_raw  = W_b x                          # [HV]
     o         = KDA(q, k, v, g_raw, beta_raw)  # in-kernel l2norm(q, k), gate(A_log, dt_bias), sigmoid(beta)
-    gate      = W_g2 W_g1 x + b_g2             # low rank: hidden -> K -> HV * V
+    gate      = W_g2 W_g1 x + b_g2             # low rank: hidden -> V -> HV * V
     y         = W_o [ rmsnorm(o) * w_norm * sigmoid(gate) ]   # per value head
 
-Parameter names and shapes follow the Kimi Linear / FLA layer (``q_proj``, ``k_proj``,
-``v_proj``, ``q_conv1d``, ``k_conv1d``, ``v_conv1d``, ``f_proj``, ``b_proj``, ``A_log``,
-``dt_bias``, ``g_proj``, ``o_norm``, ``o_proj``), so a checkpoint with ``num_v_heads ==
-num_heads`` loads with ``load_state_dict``. With grouped value heads (``num_v_heads >
-num_heads``) the gate and beta projections produce one gate per value head (``HV * K`` and
-``HV`` outputs) rather than repeating the q/k heads' ones.
+Parameter names and shapes are FLA's (``q_proj``, ``k_proj``, ``v_proj``, ``q_conv1d``,
+``k_conv1d``, ``v_conv1d``, ``f_proj``, ``b_proj``, ``A_log [HV]``, ``dt_bias [HV * K]``,
+``g_proj``, ``o_norm``, ``o_proj``), so an FLA layer's state dict loads with
+``load_state_dict(strict=True)``. Moonshot / Hugging Face Kimi Linear checkpoints use other
+names; ``kdakit.nn.kimi_linear`` converts them.
 
-Initialization: projections use ``nn.Linear``'s default; ``A_log = log(U(1, 16))`` per value
-head, so the decay rates ``exp(A_log)`` spread over [1, 16]; ``dt_bias = 0``, as in FLA's
-layer: at initialization the gate is ``-exp(A_log) * softplus(g_raw)`` and the spread of time
-scales comes from ``A_log`` alone (the Mamba-style inverse-softplus bias is not used);
-``o_norm.weight = 1``. ``A_log`` and ``dt_bias`` carry ``_no_weight_decay = True``.
+Initialization (FLA 0.6.0's recipe, drawn in FLA's order, so one seed gives the same
+parameters as FLA's constructor): projections and convolutions use ``nn.Linear`` /
+``nn.Conv1d``'s defaults; ``A_log = log(U(1, 16))`` per value head (decay rates ``exp(A_log)``
+spread over [1, 16]), or ``A_log = 0`` with ``safe_gate`` (the sigmoid gate's slope starts
+at 1); ``dt_bias = softplus^-1(dt)`` with ``dt = exp(U(log 1e-3, log 0.1))`` clamped to
+>= 1e-4 per gate channel (the Mamba recipe: at initialization ``softplus(dt_bias)`` spans
+[1e-3, 0.1]); ``o_norm.weight = 1``. ``A_log`` and ``dt_bias`` carry ``_no_weight_decay``.
 
-Precision: ``A_log`` and ``dt_bias`` must stay float32 (``chunk_kda`` requires it; float64 is
-accepted with float64 inputs). For bf16 training use autocast, or cast the module and then
-restore those two parameters to float32.
+Precision: ``A_log`` and ``dt_bias`` stay float32 when the module is cast to fp16 / bf16
+(``module.bfloat16()``, ``.half()``, ``.to(torch.bfloat16)``; ``_apply`` is overridden),
+because ``chunk_kda`` requires float32 gate parameters; a float64 cast casts them to float64
+(accepted with float64 inputs).
 
-The short convolution runs in PyTorch (``conv_size`` shifted multiply-adds over the packed
-tokens, masked at sequence starts), so no value crosses a ``cu_seqlens`` boundary.
+Padding: ``forward(x, attention_mask)`` with a ``[B, S]`` 0/1 mask (S >= T; its last T
+columns are used, as in FLA) packs each row's valid tokens into one sequence (``cu_seqlens``),
+runs them and scatters the outputs back; padded positions give zeros. Left and right padding
+both work, and a valid token's output equals an unpadded run of its row.
+
+The short convolution is ``kdakit.nn.ShortConvolution`` (one ``F.conv1d`` per projection over
+the packed tokens, restarted at every sequence start; see ``kdakit/nn/short_conv.py``).
 
 Serving: prefill with ``forward(..., initial_state=state_pool, state_indices=...,
 state_v_first=True, conv_state=...)`` and decode with ``step``. ``kda_decode`` keeps the
 recurrent state value-first (``[P, HV, V, K]``), so a pool shared with decode must be written
 by prefill with ``state_v_first=True``. The conv state is caller-owned, one row per sequence of
-the batch: ``[N, conv_channels, conv_size - 1]`` with ``conv_channels = 2 * H * K + HV * K``
+the batch: ``[N, conv_channels, conv_size - 1]`` with ``conv_channels = 2 * H * K + HV * V``
 in the order q, k, v; it holds each sequence's last ``conv_size - 1`` projected (pre-conv)
-inputs, oldest first. Fresh sequences start from a zeroed row.
+inputs, oldest first. Fresh sequences start from a zeroed row. FLA's ``Cache`` objects
+(``past_key_values``, ``use_cache``) are not supported: pass these tensors instead.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kdakit.nn.short_conv import ShortConvolution
 from kdakit.ops.kda.chunk import chunk_kda
 from kdakit.ops.kda.decode import kda_decode
+from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+MODES = ("chunk", "fused_recurrent")
 # Range of the gate's lower bound accepted by chunk_kda's safe-gate path (SPEC §2).
 SAFE_LOWER_BOUND_MIN = -5.0
-# A_log is initialized to log(U(A_INIT_MIN, A_INIT_MAX)).
+# FLA's initialization: A_log = log(U(A_INIT_MIN, A_INIT_MAX)); dt log-uniform in [DT_MIN, DT_MAX].
 A_INIT_MIN, A_INIT_MAX = 1.0, 16.0
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
+# Parameters that chunk_kda / kda_decode need in float32 whatever the module's dtype.
+FP32_PARAMS = ("A_log", "dt_bias")
 
 
 class GatedRMSNorm(nn.Module):
-    """``rmsnorm(x) * weight * sigmoid(gate)`` over the last dimension, computed in fp32."""
+    """``rmsnorm(x) * weight * sigmoid(gate)`` over the last dimension, computed in fp32
+    (FLA's ``FusedRMSNormGated(activation="sigmoid")``; its state dict holds ``weight`` only)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -73,39 +93,47 @@ class GatedRMSNorm(nn.Module):
 class KimiDeltaAttention(nn.Module):
     """Kimi Delta Attention layer (token mixer); see the module docstring for the formula.
 
-    Args:
+    Args (FLA 0.6.0's names, order and defaults; an unknown keyword raises ``TypeError``):
         hidden_size: model width.
+        expand_v: value head size V = ``head_dim * expand_v`` (must be an integer).
+        head_dim: q/k head size K.
         num_heads: q/k heads H.
-        head_dim: K = V, the size of every head.
         num_v_heads: value heads HV (grouped value attention), a multiple of ``num_heads``;
             default ``num_heads``.
-        conv_size: width of the short causal depthwise convolution (>= 1).
+        mode: ``"chunk"`` (``chunk_kda``) or ``"fused_recurrent"`` (``fused_recurrent_kda``,
+            differentiable in kdakit). kdakit runs the mode asked for; it does not switch to the
+            recurrent kernel for short inputs as FLA's layer does (the two agree to round-off).
         use_short_conv: convolve q, k, v before their SiLU (otherwise SiLU only).
-        conv_bias: give the convolutions a bias.
         allow_neg_eigval: beta = 2 * sigmoid(beta_raw) (eigenvalues of the transition in (-1, 1]).
-        safe_gate: use the bounded gate ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``
-            and chunk_kda's safe-gate path; needs ``lower_bound`` in [-5, 0).
-        lower_bound: the gate's lower bound (< 0); setting it selects the sigmoid gate form.
-            None keeps the softplus gate ``-exp(A_log) * softplus(g + dt_bias)``.
+        safe_gate: use chunk_kda's safe-gate path; needs ``lower_bound`` in [-5, 0).
+        lower_bound: the gate's lower bound (< 0); setting it selects the sigmoid gate form
+            ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``. None keeps the softplus gate
+            ``-exp(A_log) * softplus(g + dt_bias)``.
+        conv_size: width W of the short causal depthwise convolution (>= 1).
+        conv_bias: give the convolutions a bias.
+        layer_idx: the layer's index in a model (kept for FLA compatibility; unused here).
         norm_eps: epsilon of the gated output RMSNorm.
     """
 
     def __init__(
         self,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
+        hidden_size: int = 2048,
+        expand_v: float = 1,
+        head_dim: int = 128,
+        num_heads: int = 16,
         num_v_heads: int | None = None,
-        conv_size: int = 4,
+        mode: str = "chunk",
         use_short_conv: bool = True,
-        conv_bias: bool = False,
         allow_neg_eigval: bool = False,
         safe_gate: bool = False,
         lower_bound: float | None = None,
+        conv_size: int = 4,
+        conv_bias: bool = False,
+        layer_idx: int | None = None,
         norm_eps: float = 1e-5,
     ):
         super().__init__()
-        for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("head_dim", head_dim),
+        for name, value in (("hidden_size", hidden_size), ("head_dim", head_dim), ("num_heads", num_heads),
                             ("conv_size", conv_size)):
             _check_positive_int(name, value)
         if num_v_heads is None:
@@ -113,6 +141,18 @@ class KimiDeltaAttention(nn.Module):
         _check_positive_int("num_v_heads", num_v_heads)
         if num_v_heads % num_heads != 0:
             raise ValueError(f"num_v_heads must be a multiple of num_heads={num_heads}, got {num_v_heads}")
+        if isinstance(expand_v, bool) or not isinstance(expand_v, (int, float)) or not expand_v > 0:
+            raise ValueError(f"expand_v must be a positive number, got {expand_v!r}")
+        head_v_dim = head_dim * expand_v
+        if not math.isclose(head_v_dim, round(head_v_dim), rel_tol=1e-5) or round(head_v_dim) < 1:
+            raise ValueError(f"expand_v must make head_dim * expand_v a positive integer: head_dim={head_dim}, "
+                             f"got expand_v={expand_v} (head_dim * expand_v = {head_v_dim})")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        for name, flag in (("use_short_conv", use_short_conv), ("allow_neg_eigval", allow_neg_eigval),
+                           ("safe_gate", safe_gate), ("conv_bias", conv_bias)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if lower_bound is not None:
             if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
                 raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
@@ -120,49 +160,77 @@ class KimiDeltaAttention(nn.Module):
                 raise ValueError(f"lower_bound must be negative, got {lower_bound}")
         if safe_gate and (lower_bound is None or not SAFE_LOWER_BOUND_MIN <= lower_bound < 0.0):
             raise ValueError(f"safe_gate=True needs lower_bound in [{SAFE_LOWER_BOUND_MIN}, 0), got {lower_bound}")
+        if layer_idx is not None and (isinstance(layer_idx, bool) or not isinstance(layer_idx, int)):
+            raise TypeError(f"layer_idx must be an int or None, got {type(layer_idx).__name__}")
         if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0:
             raise ValueError(f"norm_eps must be a positive float, got {norm_eps!r}")
 
         self.hidden_size = hidden_size
+        self.expand_v = expand_v
+        self.head_dim = self.head_k_dim = head_dim
+        self.head_v_dim = int(round(head_v_dim))
         self.num_heads = num_heads
         self.num_v_heads = num_v_heads
-        self.head_dim = head_dim
-        self.conv_size = conv_size
+        self.mode = mode
         self.use_short_conv = use_short_conv
         self.allow_neg_eigval = allow_neg_eigval
         self.safe_gate = safe_gate
         self.lower_bound = None if lower_bound is None else float(lower_bound)
+        self.conv_size = conv_size
+        self.conv_bias = conv_bias
+        self.layer_idx = layer_idx
         self.key_dim = num_heads * head_dim
-        self.value_dim = num_v_heads * head_dim
+        self.value_dim = num_v_heads * self.head_v_dim
+        self.gate_dim = num_v_heads * head_dim
         self.conv_channels = 2 * self.key_dim + self.value_dim
 
+        # Modules are created, and so random numbers drawn, in FLA's order: one seed gives FLA's
+        # parameters.
         self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
         if use_short_conv:
-            # depthwise: weight [channels, 1, conv_size], applied causally by causal_conv below
-            self.q_conv1d = nn.Conv1d(self.key_dim, self.key_dim, conv_size, groups=self.key_dim, bias=conv_bias)
-            self.k_conv1d = nn.Conv1d(self.key_dim, self.key_dim, conv_size, groups=self.key_dim, bias=conv_bias)
-            self.v_conv1d = nn.Conv1d(self.value_dim, self.value_dim, conv_size, groups=self.value_dim,
-                                      bias=conv_bias)
-        self.f_proj = nn.Sequential(nn.Linear(hidden_size, head_dim, bias=False),
-                                    nn.Linear(head_dim, num_v_heads * head_dim, bias=False))
+            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
+            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
+            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias, activation="silu")
+        self.f_proj = nn.Sequential(nn.Linear(hidden_size, self.head_v_dim, bias=False),
+                                    nn.Linear(self.head_v_dim, self.gate_dim, bias=False))
         self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False)
         self.A_log = nn.Parameter(torch.empty(num_v_heads, dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.empty(num_v_heads * head_dim, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(self.gate_dim, dtype=torch.float32))
+        self.reset_gate_parameters()
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
-        self.g_proj = nn.Sequential(nn.Linear(hidden_size, head_dim, bias=False),
-                                    nn.Linear(head_dim, self.value_dim, bias=True))
-        self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps)
+        self.g_proj = nn.Sequential(nn.Linear(hidden_size, self.head_v_dim, bias=False),
+                                    nn.Linear(self.head_v_dim, self.value_dim, bias=True))
+        self.o_norm = GatedRMSNorm(self.head_v_dim, eps=norm_eps)
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
-        self.reset_gate_parameters()
 
     @torch.no_grad()
     def reset_gate_parameters(self) -> None:
-        """``A_log = log(U(1, 16))``, ``dt_bias = 0`` (see the module docstring)."""
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(A_INIT_MIN, A_INIT_MAX).log())
-        self.dt_bias.zero_()
+        """FLA's gate initialization (see the module docstring): ``A_log`` then ``dt_bias``."""
+        if self.safe_gate:
+            self.A_log.zero_()  # no random draw, as in FLA
+        else:
+            self.A_log.copy_(torch.empty(self.A_log.shape, dtype=torch.float32).uniform_(A_INIT_MIN, A_INIT_MAX).log())
+        u = torch.rand(self.dt_bias.shape, dtype=torch.float32)
+        dt = torch.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)).clamp(min=DT_FLOOR)
+        # inverse softplus: softplus(dt + log(1 - exp(-dt))) = dt
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def _apply(self, fn, recurse=True):
+        """Module casts (``.bfloat16()``, ``.half()``, ``.to(dtype)``) leave ``A_log`` and ``dt_bias``
+        in float32 when they would make them fp16 / bf16: the KDA ops need float32 gate parameters,
+        and the values are restored from the uncast ones (no bf16 rounding)."""
+        before = {name: (getattr(self, name).data, getattr(self, name).grad) for name in FP32_PARAMS}
+        super()._apply(fn, recurse)
+        for name, (data, grad) in before.items():
+            p = getattr(self, name)
+            if p.dtype in (torch.float16, torch.bfloat16):
+                p.data = data.to(device=p.device, dtype=torch.float32)
+                if p.grad is not None:
+                    p.grad = (grad if grad is not None else p.grad).to(device=p.device, dtype=torch.float32)
+        return self
 
     # -----------------------------------------------------------------------------------------
     # Public API
@@ -171,6 +239,10 @@ class KimiDeltaAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        output_attentions: bool | None = False,
         *,
         cu_seqlens: torch.Tensor | None = None,
         initial_state: torch.Tensor | None = None,
@@ -179,10 +251,19 @@ class KimiDeltaAttention(nn.Module):
         state_indices: torch.Tensor | None = None,
         conv_state: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the layer over whole sequences (training or prefill) with ``chunk_kda``.
+        """Run the layer over whole sequences (training or prefill).
 
         Args:
             hidden_states: ``[B, T, hidden_size]``; packed sequences need B = 1 and ``cu_seqlens``.
+            attention_mask: optional bool / int ``[B, S]`` 0/1 padding mask (1 = valid), S >= T;
+                its last T columns are used. Each row's valid tokens, in order, form one
+                sequence (left or right padding); outputs at padded positions are zero. As in
+                FLA, an explicit ``cu_seqlens`` takes precedence and the mask is then only
+                checked, not applied. With a mask, sequence n of ``initial_state``,
+                ``state_indices`` and ``conv_state`` is batch row n.
+            past_key_values, use_cache, output_attentions: FLA's cache arguments; kdakit keeps
+                no ``Cache`` object, so anything but ``None`` / ``False`` raises ``ValueError``
+                (use ``initial_state``, ``conv_state``, ``output_final_state`` and ``step``).
             cu_seqlens: int ``[N + 1]`` offsets of the packed sequences (zero-length ones legal).
                 Neither the convolution nor the recurrent state crosses a boundary.
             initial_state: recurrent state ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
@@ -191,7 +272,7 @@ class KimiDeltaAttention(nn.Module):
             output_final_state: also return the final recurrent state (fp32; float64 for float64).
             state_v_first: value-first state layout; required to share a pool with ``step``.
             state_indices: int ``[N]`` pool rows, ``-1`` for a padded sequence (zero output, its
-                pool row and conv-state row untouched); see ``chunk_kda``.
+                pool row and conv-state row untouched); see ``chunk_kda``. Needs ``mode="chunk"``.
             conv_state: optional caller-owned ``[N, conv_channels, conv_size - 1]`` (only with
                 ``use_short_conv``): read as each sequence's left context of projected inputs
                 (zeros for a fresh sequence) and overwritten in place with its last
@@ -201,6 +282,26 @@ class KimiDeltaAttention(nn.Module):
             ``(out [B, T, hidden_size], final_state or None)``.
         """
         B, T = self._check_hidden("hidden_states", hidden_states)
+        for name, value in (("past_key_values", past_key_values), ("use_cache", use_cache),
+                            ("output_attentions", output_attentions)):
+            if value not in (None, False):
+                raise ValueError(f"{name}: kdakit's layer keeps no FLA Cache; expected None or False, got "
+                                 f"{type(value).__name__ if isinstance(value, torch.Tensor) else value!r} "
+                                 "(pass initial_state / conv_state / output_final_state, decode with step)")
+        indices = None
+        if attention_mask is not None:
+            valid = self._check_attention_mask("attention_mask", attention_mask, B, T, hidden_states.device)
+            if cu_seqlens is None:
+                hidden_states, indices, cu_seqlens = _unpad(hidden_states, valid)
+        out, final = self._forward_packed(hidden_states, cu_seqlens, initial_state, output_final_state,
+                                          state_v_first, state_indices, conv_state)
+        if indices is not None:
+            out = _repad(out, indices, B, T)
+        return out, final
+
+    def _forward_packed(self, hidden_states, cu_seqlens, initial_state, output_final_state, state_v_first,
+                        state_indices, conv_state):
+        B, T = hidden_states.shape[:2]
         N = _check_cu_seqlens(cu_seqlens, B, T, hidden_states.device)
         for name, flag in (("output_final_state", output_final_state), ("state_v_first", state_v_first)):
             if not isinstance(flag, bool):
@@ -212,20 +313,24 @@ class KimiDeltaAttention(nn.Module):
                                 f"{getattr(state_indices, 'dtype', type(state_indices).__name__)}")
             if state_indices.dim() != 1 or state_indices.shape[0] != N:
                 raise ValueError(f"state_indices must have shape [N] = [{N}], got {list(state_indices.shape)}")
+            if self.mode != "chunk":
+                raise ValueError(f"state_indices needs mode='chunk' (decode with step), got mode={self.mode!r}")
             keep = state_indices >= 0
         self._check_conv_state("conv_state", conv_state, N, hidden_states)
 
-        seq_id, pos, lengths = _token_positions(B, T, N, cu_seqlens, hidden_states.device)
-        q, k, v, proj = self._mix_qkv(hidden_states, conv_state, seq_id, pos)
+        lengths = _seq_lengths(B, T, cu_seqlens, hidden_states.device)
+        q, k, v, proj = self._mix_qkv(hidden_states, conv_state, cu_seqlens)
         g, beta = self._gate_inputs(hidden_states)
-        o, final = chunk_kda(
-            q, k, v, g, beta,
+        common = dict(
             initial_state=initial_state, output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-            allow_neg_eigval=self.allow_neg_eigval, safe_gate=self.safe_gate, lower_bound=self.lower_bound,
-            state_v_first=state_v_first, cu_seqlens=cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias,
-            state_indices=state_indices,
+            allow_neg_eigval=self.allow_neg_eigval, lower_bound=self.lower_bound, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias,
         )
+        if self.mode == "chunk":
+            o, final = chunk_kda(q, k, v, g, beta, safe_gate=self.safe_gate, state_indices=state_indices, **common)
+        else:
+            o, final = fused_recurrent_kda(q, k, v, g, beta, **common)
         if conv_state is not None:
             _update_conv_state(conv_state, torch.cat(proj, dim=-1).detach(), lengths, cu_seqlens, keep)
         return self._output(o, hidden_states), final
@@ -266,8 +371,8 @@ class KimiDeltaAttention(nn.Module):
                              f"[{N}, {self.conv_channels}, {self.conv_size - 1}], got None")
         self._check_conv_state("conv_state", conv_state, N, hidden_states)
 
-        seq_id, pos, lengths = _token_positions(N, T, N, None, hidden_states.device)
-        q, k, v, proj = self._mix_qkv(hidden_states, conv_state, seq_id, pos)
+        lengths = _seq_lengths(N, T, None, hidden_states.device)
+        q, k, v, proj = self._mix_qkv(hidden_states, conv_state, None)
         g, beta = self._gate_inputs(hidden_states)
         o = kda_decode(
             q, k, v, g, beta, state_pool, state_indices,
@@ -283,27 +388,26 @@ class KimiDeltaAttention(nn.Module):
     # Stages
     # -----------------------------------------------------------------------------------------
 
-    def _mix_qkv(self, x, conv_state, seq_id, pos):
+    def _mix_qkv(self, x, conv_state, cu_seqlens):
         """Projections, causal conv (per sequence) and SiLU.
 
-        Returns q, k ``[B, T, H, K]``, v ``[B, T, HV, K]`` and the projections ``[B, T, conv_channels]``
+        Returns q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` and the projections ``[B, T, conv_channels]``
         that the caller shifts into ``conv_state`` once the KDA op has accepted its arguments.
         """
         B, T = x.shape[:2]
         proj = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
         if self.use_short_conv:
-            convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
             contexts = [None] * 3
             if conv_state is not None:
                 contexts = torch.split(conv_state.detach().to(proj[0].dtype),
                                        [self.key_dim, self.key_dim, self.value_dim], dim=1)
-            mixed = [causal_conv(p, c.weight, c.bias, seq_id, pos, context)
-                     for p, c, context in zip(proj, convs, contexts)]
+            convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+            mixed = [conv(p, cu_seqlens=cu_seqlens, context=c) for p, conv, c in zip(proj, convs, contexts)]
         else:
-            mixed = proj
-        q, k, v = (F.silu(m) for m in mixed)
+            mixed = [F.silu(p) for p in proj]
         H, HV, K = self.num_heads, self.num_v_heads, self.head_dim
-        return q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, K), proj
+        return (mixed[0].view(B, T, H, K), mixed[1].view(B, T, H, K),
+                mixed[2].view(B, T, HV, self.head_v_dim), proj)
 
     def _gate_inputs(self, x):
         """Raw gate ``[B, T, HV, K]`` and beta logits ``[B, T, HV]`` (activated inside the KDA op)."""
@@ -312,7 +416,7 @@ class KimiDeltaAttention(nn.Module):
 
     def _output(self, o, x):
         B, T = x.shape[:2]
-        gate = self.g_proj(x).view(B, T, self.num_v_heads, self.head_dim)
+        gate = self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, self.value_dim))
 
     # -----------------------------------------------------------------------------------------
@@ -333,6 +437,27 @@ class KimiDeltaAttention(nn.Module):
             raise TypeError(f"{name} must have the layer's dtype {w.dtype} (or run under autocast), got {x.dtype}")
         return x.shape[0], x.shape[1]
 
+    def _check_attention_mask(self, name, mask, B, T, device) -> torch.Tensor:
+        """The mask's last T columns as a bool ``[B, T]`` (reads the mask once on the host to check
+        that it is 0/1)."""
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.dtype != torch.bool and (mask.dtype.is_floating_point or mask.dtype.is_complex):
+            raise TypeError(f"{name} must be a bool or integer 0/1 padding mask, got {mask.dtype}")
+        if mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] < T:
+            raise ValueError(f"{name} must be a [batch_size, seq_len] padding mask with batch_size={B} and "
+                             f"seq_len >= T={T} (arbitrary [B, T, T] masks are not supported), "
+                             f"got {list(mask.shape)}")
+        if mask.device != device:
+            raise ValueError(f"{name} must be on hidden_states' device {device}, got {mask.device}")
+        mask = mask[:, mask.shape[1] - T:]
+        if mask.dtype != torch.bool:
+            if bool(((mask != 0) & (mask != 1)).any()):
+                raise ValueError(f"{name} must hold only 0 (padding) and 1 (valid), got values "
+                                 f"{sorted(set(mask.unique().tolist()))}")
+            mask = mask != 0
+        return mask
+
     def _check_conv_state(self, name, conv_state, N, x) -> None:
         if conv_state is None:
             return
@@ -350,37 +475,30 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"{name} must be on hidden_states' device {x.device}, got {conv_state.device}")
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
-                f"head_dim={self.head_dim}, conv_size={self.conv_size if self.use_short_conv else None}, "
-                f"safe_gate={self.safe_gate}, lower_bound={self.lower_bound}")
+        return (f"hidden_size={self.hidden_size}, expand_v={self.expand_v}, head_dim={self.head_dim}, "
+                f"num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, mode={self.mode!r}, "
+                f"conv_size={self.conv_size if self.use_short_conv else None}, "
+                f"safe_gate={self.safe_gate}, lower_bound={self.lower_bound}, layer_idx={self.layer_idx}")
 
 
 # ---------------------------------------------------------------------------------------------
-# Short convolution over packed sequences
+# Padding masks and the conv state
 # ---------------------------------------------------------------------------------------------
 
-def causal_conv(x, weight, bias, seq_id, pos, context):
-    """Depthwise causal convolution that restarts at every sequence start.
+def _unpad(x, valid):
+    """Pack each row's valid tokens: ``(x [1, total, D], token indices into B*T, cu_seqlens [B + 1])``."""
+    B, T = valid.shape
+    indices = valid.reshape(-1).nonzero().squeeze(1)
+    cu = torch.zeros(B + 1, dtype=torch.int32, device=x.device)
+    cu[1:] = valid.sum(1).cumsum(0)
+    return x.reshape(B * T, *x.shape[2:])[indices][None], indices, cu
 
-    ``y[t] = bias + sum_j weight[:, 0, W-1-j] * x[t-j]`` for ``j < W``, where ``x[t-j]`` from
-    before the sequence start is taken from ``context`` (``[N, C, W-1]``, oldest first) or is
-    zero. ``x`` ``[B, T, C]``; ``seq_id``/``pos`` ``[B, T]``: each token's sequence and position.
-    """
-    W = weight.shape[-1]
-    w = weight.view(weight.shape[0], W)                                   # [C, W]
-    y = x * w[:, W - 1]
-    if bias is not None:
-        y = y + bias
-    for j in range(1, W):
-        shifted = F.pad(x, (0, 0, j, 0))[:, : x.shape[1]]                 # x[t - j], [B, T, C]
-        inside = (pos >= j)[..., None]                                    # same sequence
-        if context is None:
-            src = shifted * inside.to(x.dtype)
-        else:
-            slot = (W - 1 + pos - j).clamp(0, W - 2)                       # context column of x[t - j]
-            src = torch.where(inside, shifted, context.transpose(1, 2)[seq_id, slot])
-        y = y + src * w[:, W - 1 - j]
-    return y
+
+def _repad(y, indices, B, T):
+    """Inverse of ``_unpad``: zeros at padded positions (differentiable)."""
+    out = y.new_zeros(B * T, *y.shape[2:])
+    out = out.index_copy(0, indices, y[0])
+    return out.view(B, T, *y.shape[2:])
 
 
 @torch.no_grad()
@@ -403,17 +521,12 @@ def _update_conv_state(conv_state, x, lengths, cu_seqlens, keep):
     conv_state.copy_(new.transpose(1, 2))
 
 
-def _token_positions(B, T, N, cu_seqlens, device):
-    """Per token: sequence index and position in it (``[B, T]`` each); per sequence: length ``[N]``."""
+def _seq_lengths(B, T, cu_seqlens, device):
+    """Per sequence length ``[N]`` (long)."""
     if cu_seqlens is None:
-        seq_id = torch.arange(B, device=device)[:, None].expand(B, T)
-        pos = torch.arange(T, device=device)[None, :].expand(B, T)
-        return seq_id, pos, torch.full((B,), T, device=device, dtype=torch.long)
+        return torch.full((B,), T, device=device, dtype=torch.long)
     cu = cu_seqlens.to(device=device, dtype=torch.long)
-    lengths = cu[1:] - cu[:-1]
-    seq_id = torch.repeat_interleave(torch.arange(N, device=device), lengths, output_size=T)
-    pos = torch.arange(T, device=device) - cu[seq_id]
-    return seq_id[None], pos[None], lengths
+    return cu[1:] - cu[:-1]
 
 
 def _check_cu_seqlens(cu_seqlens, B, T, device) -> int:
@@ -442,4 +555,4 @@ def _check_positive_int(name, value) -> None:
         raise ValueError(f"{name} must be positive, got {value}")
 
 
-__all__ = ["KimiDeltaAttention", "GatedRMSNorm", "causal_conv"]
+__all__ = ["KimiDeltaAttention", "GatedRMSNorm"]
