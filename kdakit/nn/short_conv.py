@@ -73,15 +73,15 @@ class _ShortConvFn(torch.autograd.Function):
         need = ctx.needs_input_grad[:3]
         leaves = [None if t is None else t.detach().requires_grad_(n) for t, n in zip((x, weight, bias), need)]
         wanted = [t for t, n in zip(leaves, need) if n]
-        if not wanted:
-            return None, None, None, None, None, None
+        if not wanted or x.shape[1] == 0:
+            # nothing asked, or no tokens: the output depends on no input
+            out = [torch.zeros_like(t) if n else None for t, n in zip(leaves, need)]
+            return out[0], out[1], out[2], None, None, None
         # recompute the (cheap) convolution with a graph instead of keeping its intermediates
         with torch.enable_grad():
             y = _padded_conv(leaves[0], leaves[1], leaves[2], ctx.activation, cu_seqlens, context)
-            # allow_unused: with T = 0 the output does not depend on the inputs
-            grads = iter(torch.autograd.grad(y, wanted, dy, allow_unused=True))
+            grads = iter(torch.autograd.grad(y, wanted, dy))
         out = [next(grads) if n else None for n in need]
-        out = [torch.zeros_like(t) if n and g is None else g for t, n, g in zip(leaves, need, out)]
         return out[0], out[1], out[2], None, None, None
 
 
