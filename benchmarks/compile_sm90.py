@@ -77,6 +77,7 @@ def main():
     ap.add_argument("--fwd-bv", type=int, default=F.STATE_BLOCK_V)
     ap.add_argument("--fwd-stages", type=int, default=F.STATE_NUM_STAGES)
     ap.add_argument("--warps-pair64", type=int, default=F.PAIR_NUM_WARPS)
+    ap.add_argument("--refs-reshape", type=int, default=int(F.PAIR_REFS_BY_RESHAPE))
     ap.add_argument("--warps-solve", type=int, default=F.SOLVE_NUM_WARPS)
     ap.add_argument("--warps-wu", type=int, default=F.WU_NUM_WARPS)
     ap.add_argument("--intra-bk", type=int, default=F.INTRA_BLOCK_K)
@@ -98,7 +99,8 @@ def main():
                                                     LOOP_WHILE=False), a.warps_fwd, a.fwd_stages)
     if "intra" in only:
         build(F.chunk_kda_fwd64_pair_kernel, dict({n: c[n] for n in c if n != "V"}, V=128, SUBC=16, BK=a.intra_bk,
-                                                   BKF=128, BKS=16, SAFE=bool(a.safe)), a.warps_pair64)
+                                                   BKF=128, BKS=16, SAFE=bool(a.safe),
+                                                   REFS_BY_RESHAPE=bool(a.refs_reshape)), a.warps_pair64)
         build(F.chunk_kda_fwd64_solve_kernel, dict(C=64, SUBC=16), a.warps_solve)
         build(F.chunk_kda_fwd64_wu_kernel, dict({n: c[n] for n in ("K", "V", "C", "BETA_SIGMOID", "NEG_EIGVAL",
                                                                  "IS_VARLEN", "OP_BF16", "EMULATE_BF16", "DOT_PREC")},

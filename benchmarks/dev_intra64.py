@@ -36,7 +36,7 @@ ABLATIONS = {
 
 def load_variant(name: str, src: str):
     for part in filter(None, name.split("+")):
-        if part in ("full", "old") or (part[:1] in "psuw" and part[1:].isdigit()):
+        if part in ("full", "old") or (part[:1] in "psuwr" and part[1:].isdigit()):
             continue
         old, new = ABLATIONS[part]
         if old not in src:
@@ -58,6 +58,7 @@ def main():
     ap.add_argument("--shape", default="1x8192:96")
     ap.add_argument("--variants", default="full")
     ap.add_argument("--old-source", default="")
+    ap.add_argument("--forward", action="store_true", help="also time chunk_kda's forward (no grad) on both pipelines")
     a = ap.parse_args()
     from kdakit.ops.kda.chunk_prep64 import chunk64_options, chunk64_tables
 
@@ -83,7 +84,7 @@ def main():
                 # launch knobs: p<warps> pair kernel, s<warps> solve kernel, u<warps> wu kernel, w<warps> the
                 # fused kernel of an older source
                 for pre, attr in (("p", "PAIR_NUM_WARPS"), ("s", "SOLVE_NUM_WARPS"), ("u", "WU_NUM_WARPS"),
-                                  ("w", "INTRA_NUM_WARPS")):
+                                  ("w", "INTRA_NUM_WARPS"), ("r", "PAIR_REFS_BY_RESHAPE")):
                     if part.startswith(pre) and part[1:].isdigit():
                         setattr(mod, attr, int(part[1:]))
 
@@ -108,6 +109,52 @@ def main():
         print(name, res["variants"][name], f"({time.time() - t:.0f}s)", flush=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
+    if a.forward:
+        res["forward"] = forward_times(x, A_log, dt_bias, cu)
+        print("forward", res["forward"], flush=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def forward_times(x, A_log, dt_bias, cu) -> dict:
+    """chunk_kda without grad, median of 20 CUDA-event runs, per pipeline; per-kernel CUDA ms of chunk64's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kdakit import chunk_kda
+
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+              lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
+    out = {}
+    for pipe in ("windowed", "chunk64"):
+        os.environ["KDAKIT_CHUNK_PIPELINE"] = pipe
+
+        def fn():
+            with torch.no_grad():
+                chunk_kda(**x, **kw)
+
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(20):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1))
+        ts.sort()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+        kern = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                kern[e.name] = kern.get(e.name, 0.0) + e.device_time_total / 3e3
+        out[pipe] = {"ms": ts[len(ts) // 2], "kernels_ms": {k: round(v, 4) for k, v in kern.items() if v > 0.005}}
+    del os.environ["KDAKIT_CHUNK_PIPELINE"]
+    return out
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ from kdakit.ops.kda.chunk_tiles import (
 
 # H200, 1x8K H96: the three stages fused in one kernel took 5.0 ms at 8 warps (5.5 at 4), the inverse 1.5 of it
 PAIR_NUM_WARPS = 8
+PAIR_REFS_BY_RESHAPE = True
 SOLVE_NUM_WARPS = 4  # sm_90a: 215 registers, no spills (2 warps: 255 and spills)
 WU_NUM_WARPS = 4
 INTRA_BLOCK_K = 64  # 32: 6.6 ms
@@ -82,18 +83,43 @@ EXACT_KEY_SLICE = 16
 
 
 @triton.jit
-def pairwise_qk_kk_block(qn, kn, G, SAFE: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr,
-                         OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
+def _block_rows(G, ROW: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr):
+    """``[C // SUBC, BK]``: row ROW of each sub-chunk of G ``[C, BK]``, all sub-chunks in one reduction."""
+    G3 = tl.reshape(G, (C // SUBC, SUBC, BK))
+    sub = tl.arange(0, SUBC)
+    return tl.sum(tl.where((sub == ROW)[None, :, None], G3, 0.0), axis=1)
+
+
+@triton.jit
+def _spread(R, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr):
+    """``[C, BK]`` whose row i holds row ``i // SUBC`` of R ``[C // SUBC, BK]``."""
+    return tl.reshape(tl.broadcast_to(R[:, None, :], (C // SUBC, SUBC, BK)), (C, BK))
+
+
+@triton.jit
+def pairwise_qk_kk_block(qn, kn, G, SAFE: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr,
+                         OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+                         REFS_BY_RESHAPE: tl.constexpr):
     """One key block's share of ``Aqk`` (causal, with the diagonal) and ``Akk`` (strictly causal) ``[C, C]``
     from ``[C, BK]`` tiles: off-diagonal sub-chunk blocks for any gate (reference row ``G[SUBC*I - 1]``,
     both factors <= 1), and with SAFE the diagonal blocks from a mid-sub-chunk reference (exponents within
-    +-40 at log-decay >= -5). Without SAFE the diagonal blocks are the caller's (exact path)."""
+    +-40 at log-decay >= -5). Without SAFE the diagonal blocks are the caller's (exact path).
+
+    REFS_BY_RESHAPE: the reference rows of all sub-chunks from one reduction of G seen as
+    ``[C // SUBC, SUBC, BK]`` instead of one row extraction (a cross-warp reduction) per reference."""
     rows = tl.arange(0, C)
     blk = rows // SUBC
     NB: tl.constexpr = C // SUBC
-    ref = tl.zeros_like(G)
-    for I in tl.static_range(1, NB):
-        ref = tl.where((blk == I)[:, None], take_row(G, SUBC * I - 1, C)[None, :], ref)
+    if REFS_BY_RESHAPE:
+        last = _block_rows(G, SUBC - 1, C, SUBC, BK)  # [NB, BK]: G at the last row of each sub-chunk
+        # row i: G at the last row before its sub-chunk (0 for the first sub-chunk)
+        bi = tl.arange(0, NB)
+        prev = tl.sum(tl.where((bi[:, None] == bi[None, :] + 1)[:, :, None], last[None, :, :], 0.0), axis=1)
+        ref = _spread(prev, C, SUBC, BK)
+    else:
+        ref = tl.zeros_like(G)
+        for I in tl.static_range(1, NB):
+            ref = tl.where((blk == I)[:, None], take_row(G, SUBC * I - 1, C)[None, :], ref)
     fx = tl.exp(G - ref)  # [C, BK], <= 1: every row's own block reference
     xq = dot_operand(qn * fx, OP_BF16, EMULATE_BF16)
     xk = dot_operand(kn * fx, OP_BF16, EMULATE_BF16)
@@ -108,9 +134,12 @@ def pairwise_qk_kk_block(qn, kn, G, SAFE: tl.constexpr, C: tl.constexpr, SUBC: t
         Aqk += tl.where(inI, tl.dot(xq, yT, input_precision=DOT_PREC), 0.0)
         Akk += tl.where(inI, tl.dot(xk, yT, input_precision=DOT_PREC), 0.0)
     if SAFE:
-        mid = tl.zeros_like(G)
-        for I in tl.static_range(NB):
-            mid = tl.where((blk == I)[:, None], take_row(G, SUBC * I + SUBC // 2 - 1, C)[None, :], mid)
+        if REFS_BY_RESHAPE:
+            mid = _spread(_block_rows(G, SUBC // 2 - 1, C, SUBC, BK), C, SUBC, BK)
+        else:
+            mid = tl.zeros_like(G)
+            for I in tl.static_range(NB):
+                mid = tl.where((blk == I)[:, None], take_row(G, SUBC * I + SUBC // 2 - 1, C)[None, :], mid)
         ex = tl.exp(G - mid)
         yT = tl.trans(dot_operand(kn * tl.exp(mid - G), OP_BF16, EMULATE_BF16))
         same = blk[:, None] == blk[None, :]
@@ -211,6 +240,7 @@ def chunk_kda_fwd64_pair_kernel(
     BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
     IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+    REFS_BY_RESHAPE: tl.constexpr,
 ):
     """One (chunk, value head), stage 1 of 3: qΓ, kd, exp(g_C), Aqk, beta k Γ (into W's slot) and beta Akk
     (fp32, into the chunk's scratch slot). BK: key block of the tiles; BKF: the padded K (the EXACT diagonal
@@ -259,7 +289,8 @@ def chunk_kda_fwd64_pair_kernel(
                    k0, K, C, BK)
         store_rows(w + tok_k, round_to_bf16_if(kn * gam * bt[:, None], EMULATE_BF16), t0, seq_len, HV * K, k0, K,
                    C, BK)
-        dqk, dkk = pairwise_qk_kk_block(qn, kn, G, SAFE, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
+        dqk, dkk = pairwise_qk_kk_block(qn, kn, G, SAFE, C, SUBC, BK, OP_BF16, EMULATE_BF16, DOT_PREC,
+                                        REFS_BY_RESHAPE)
         Aqk += dqk
         Akk += dkk
     if not SAFE:
@@ -393,7 +424,7 @@ def run_intra(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, pairs, out: torch.Te
             q, k, g, beta, A_log, dt_bias, t["w"], t["kd"], t["qg"], t["aqk"], t["egc"], scratch, cu_seqlens,
             pairs, o.lower_bound, o.T, o.H, o.HV, o.NTS, o.stride_alog, o.stride_bias,
             K=o.K, V=o.V, C=C, SUBC=SUB, BK=min(INTRA_BLOCK_K, o.BK), BKF=o.BK, BKS=min(EXACT_KEY_SLICE, o.BK),
-            SAFE=o.safe, **cx, num_warps=PAIR_NUM_WARPS, num_stages=1,
+            SAFE=o.safe, REFS_BY_RESHAPE=PAIR_REFS_BY_RESHAPE, **cx, num_warps=PAIR_NUM_WARPS, num_stages=1,
         )
         chunk_kda_fwd64_solve_kernel[grid](scratch, C=C, SUBC=SUB, num_warps=SOLVE_NUM_WARPS, num_stages=1)
         chunk_kda_fwd64_wu_kernel[grid](
