@@ -364,7 +364,6 @@ def chunk_kda_fwd64_state_kernel(
     qg_base = qg + (bos * HV + i_hv) * K
     o_base = o + (bos * HV + i_hv) * V
     aqk_base = aqk + (bos * HV + i_hv) * C
-    cols = tl.arange(0, BK)
     S = tl.zeros([BK, BV], dtype=tl.float32)  # state columns [v0, v0 + BV), K-major
     if HAS_H0:
         S = load_matrix(state_row(h0, i_n, i_hv, s_h0_n, s_h0_h, HAS_H0), s_h0_k, s_h0_v, K, V, v0, BK, BV)
