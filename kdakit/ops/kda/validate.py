@@ -84,6 +84,11 @@ def _gate_param_shapes(name: str, HV: int, K: int) -> tuple[tuple[int, ...], ...
     return (HV * K,), (HV, K)
 
 
+def _either(names) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
 def _check_gate_param(name: str, t, HV: int, K: int, dtypes, engine_shapes: bool) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -96,8 +101,9 @@ def _check_gate_param(name: str, t, HV: int, K: int, dtypes, engine_shapes: bool
         spelled = {"A_log": ("[HV]", "[HV, 1]", "[1, 1, HV, 1]"), "dt_bias": ("[HV * K]", "[HV, K]")}[name]
         spelled = spelled if engine_shapes else spelled[:1]
         sizes = f"HV={HV}" if name == "A_log" else f"HV={HV}, K={K}"
-        raise ValueError(f"{name} must have shape {' or '.join(spelled)} with {sizes} "
-                         f"({' or '.join('[' + ', '.join(map(str, s)) + ']' for s in allowed)}), got {_shape(t)}")
+        sized = ["[" + ", ".join(map(str, s)) + "]" for s in allowed]
+        raise ValueError(f"{name} must have shape {_either(spelled)} with {sizes} ({_either(sized)}), "
+                         f"got {_shape(t)}")
     # The kernels read gate parameters as dense vectors (the chunk kernels' stride_alog /
     # stride_bias is stride(0) of a 1-D tensor; the others assume stride 1): a strided view
     # (e.g. ``big[::2]``, or ``w[:, :K]`` of a wider [HV, K'] tensor) is refused on every backend
@@ -235,3 +241,57 @@ def validate_kda_inputs(
                 f"initial_state must have shape {layout} = {list(want)} for {N} sequence(s), got {_shape(initial_state)}"
             )
     return KDAShape(B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, seqlens=seqlens)
+
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_state_pool(pool, state_indices, shape: KDAShape, *, state_v_first: bool, device) -> list[int]:
+    """``chunk_kda``'s state-pool arguments, after ``validate_kda_inputs`` gave ``shape``.
+
+    ``pool`` is ``initial_state`` read as a pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` with
+    ``state_v_first``); ``state_indices`` is int ``[N]``, row ``state_indices[n]`` holding
+    sequence n's initial state and receiving its final state, ``-1`` a padded sequence.
+
+    Metadata is checked first, then the indices are read to the host once (a device->host copy
+    for CUDA indices: the one read of this path), then their values: each in ``[-1, P)`` (a row
+    outside the pool would be gathered from and scattered to memory that is not the pool), and
+    the rows of different sequences distinct (two sequences writing one row would leave
+    whichever final state the scatter happened to write last; ``kda_decode`` refuses the same).
+    Returns the host values, so that the caller needs no second read (padded positions).
+    """
+    if pool is None:
+        raise ValueError("state_indices needs initial_state to be the state pool [P, HV, ...], got None")
+    if not isinstance(pool, torch.Tensor):
+        raise TypeError(f"initial_state (the state pool) must be a torch.Tensor, got {type(pool).__name__}")
+    if pool.dtype not in STATE_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in STATE_DTYPES)
+        raise TypeError(f"initial_state (the state pool) must have dtype in ({names}), "
+                        f"got {str(pool.dtype).replace('torch.', '')}")
+    if pool.device != device:
+        raise ValueError(f"initial_state (the state pool) must be on q's device {device}, got {pool.device}")
+    inner = (shape.HV, shape.V, shape.K) if state_v_first else (shape.HV, shape.K, shape.V)
+    layout = "[P, HV, V, K] (state_v_first=True)" if state_v_first else "[P, HV, K, V]"
+    if pool.dim() != 4 or tuple(pool.shape[1:]) != inner:
+        raise ValueError(f"initial_state (the state pool) must have shape {layout} = "
+                         f"[P, {', '.join(map(str, inner))}], got {_shape(pool)}")
+    if not isinstance(state_indices, torch.Tensor):
+        raise TypeError(f"state_indices must be an int32 tensor (or int64), got {type(state_indices).__name__}")
+    if state_indices.dtype not in INDEX_DTYPES:
+        raise TypeError(f"state_indices must be an int32 tensor (or int64), "
+                        f"got {str(state_indices.dtype).replace('torch.', '')}")
+    if tuple(state_indices.shape) != (shape.N,):
+        raise ValueError(f"state_indices must have shape [N] = [{shape.N}] (one pool row per sequence), "
+                         f"got {_shape(state_indices)}")
+    if state_indices.device != pool.device:
+        raise ValueError(f"state_indices must be on the pool's device {pool.device}, got {state_indices.device}")
+    P = pool.shape[0]
+    host = state_indices.tolist()  # the one host read of the pool path
+    if host and (max(host) >= P or min(host) < -1):
+        raise ValueError(f"state_indices must lie in [-1, {P - 1}] for a pool of {P} rows, got {host}")
+    owner = {}
+    for n, r in enumerate(host):
+        if r >= 0 and owner.setdefault(r, n) != n:
+            raise ValueError(f"state_indices rows must be distinct across sequences: row {r} is used by "
+                             f"sequences {owner[r]} and {n}")
+    return host
