@@ -25,7 +25,6 @@ from kdakit.ops.kda.validate import validate_kda_inputs
 _UNSUPPORTED_FLA_OPTIONS = {
     "disable_recompute": False,
     "return_intermediate_states": False,
-    "cp_context": None,
     "use_graph": False,
     "max_num_seqs": None,
 }
@@ -87,7 +86,12 @@ def chunk_kda(
             no device->host synchronization; the caller promises the two are equal (checking it
             would need the read). Without it ``cu_seqlens`` is read to the host once per call.
             Needs ``cu_seqlens``.
-        disable_recompute, return_intermediate_states, cp_context, use_graph, max_num_seqs:
+        cp_context: a ``kdakit.build_cp_context`` context: context parallelism over its process
+            group (q..beta hold this rank's local tokens; see ``kdakit/distributed/cp.py``).
+            ``cu_seqlens`` comes from the context. kdakit extension: ``initial_state`` is then the
+            global ``[N, HV, ...]`` (same on every rank) and ``output_final_state`` returns the
+            global states of the sequences that end on this rank (zeros elsewhere).
+        disable_recompute, return_intermediate_states, use_graph, max_num_seqs:
             FLA options kdakit does not implement; setting one raises ``ValueError``.
 
     kdakit-only keyword arguments:
@@ -112,7 +116,7 @@ def chunk_kda(
         for float64 inputs) or None.
     """
     fla_opts = {"disable_recompute": disable_recompute, "return_intermediate_states": return_intermediate_states,
-                "cp_context": cp_context, "use_graph": use_graph, "max_num_seqs": max_num_seqs}
+                "use_graph": use_graph, "max_num_seqs": max_num_seqs}
     for name, default in _UNSUPPORTED_FLA_OPTIONS.items():
         if fla_opts[name] != default:
             raise ValueError(f"{name} is an FLA option kdakit does not implement: expected {default!r}, got {fla_opts[name]!r}")
@@ -129,6 +133,18 @@ def chunk_kda(
                 or checkpoint_every_n_tokens <= 0 or checkpoint_every_n_tokens % unit:
             raise ValueError(f"checkpoint_every_n_tokens must be a positive multiple of {unit} or None, "
                              f"got {checkpoint_every_n_tokens!r}")
+
+    if cp_context is not None:
+        from kdakit.distributed.cp import chunk_kda_cp
+
+        return chunk_kda_cp(
+            q, k, v, g, beta, cp_context=cp_context, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu, state_indices=state_indices, use_gate_in_kernel=use_gate_in_kernel,
+            A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate, lower_bound=lower_bound, chunk_size=chunk_size,
+            checkpoint_every_n_tokens=checkpoint_every_n_tokens)
 
     pool = padded = None
     if state_indices is not None:
