@@ -165,6 +165,16 @@ def check_refusals(world, rank, group):
             out[name] = 1.0
         except (ValueError, TypeError) as e:
             out[name] = 0.0 if re.search(match, str(e)) else 2.0
+    # a second backward would run the collectives again on a consumed graph: refused on every rank alike
+    leaves = [x.detach().clone().requires_grad_() for x in local]
+    o, _ = kdakit.chunk_kda(*leaves, cp_context=ctx)
+    loss = (o * o).sum()
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()
+        out["refuse_second_backward"] = 1.0
+    except RuntimeError as e:
+        out["refuse_second_backward"] = 0.0 if "one backward per forward" in str(e) else 2.0
     return out
 
 

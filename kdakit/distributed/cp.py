@@ -176,6 +176,10 @@ class _ChunkKDACP(torch.autograd.Function):
     def backward(fctx, do, dfinal):
         opt, pieces, slots = fctx.opt, fctx.pieces, fctx.slots
         cp = opt.cp
+        if fctx.graph is None:
+            # the first backward consumed the local graph (and the peers' collectives ran once)
+            raise RuntimeError("chunk_kda with cp_context supports one backward per forward, got a second "
+                               "(retain_graph=True is not supported)")
         o, fin, leaves, h0_local, Ms = fctx.graph
         fctx.graph = None  # frees the local graph once this backward returns
         wrt = [t for t in leaves if t is not None and t.requires_grad]
