@@ -6,10 +6,8 @@ each shape must give bitwise the answer of the flat ``[HV]`` / ``[HV * K]`` call
 values), on both backends, and gradients come back in the caller's shape. Wrong shapes and
 non-dense layouts raise ValueError naming the argument, on both backends alike.
 
-chunk_kda does not take them yet: its launchers read ``A_log.stride(0)`` as the element stride,
-which a ``[1, 1, HV, 1]`` tensor does not have, so it refuses them until chunk.py reads them
-through ``flat_gate_params`` (the xfail(strict) tests below flip to XPASS then: drop the marks).
-The chunk tests here run on the PyTorch path only.
+chunk_kda takes them too: it hands its kernels ``flat_gate_params(A_log, dt_bias)``, the flat views
+whose element stride the launchers read as ``stride_alog`` / ``stride_bias``.
 """
 
 import pytest
@@ -253,29 +251,9 @@ def test_strides_of_size_one_dims_are_never_read(backend, op):
 
 # --- chunk_kda (PyTorch path only) ---------------------------------------------------------------
 
-CHUNK_PENDING = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="chunk_kda refuses engine-shaped gate parameters until chunk.py passes engine_gate_shapes=True "
-           "to validate_kda_inputs and hands the kernels flat_gate_params(A_log, dt_bias)")
-
-
 @pytest.mark.parametrize("name", ENGINE)
-def test_chunk_refuses_engine_shapes_clearly_for_now(torch_backend, name):
-    # today's contract: a clear ValueError naming the argument, never a wrong answer on the Triton
-    # path (whose stride_alog = A_log.stride(0) is HV for a [1, 1, HV, 1] tensor)
-    t, kw = _tokens(14, seqlens=[5, 3])
-    which = "A_log" if SHAPES[name][0] != (HV,) else "dt_bias"
-    try:
-        _call_op("chunk_kda", t, kw, *_shaped(t, name))
-    except ValueError as e:
-        assert str(e).startswith(f"{which} must have shape")
-    # once chunk.py reads them through flat views the call succeeds: then the test below
-    # (xfail, strict) passes and this one has nothing left to check
-
-
-@CHUNK_PENDING
-@pytest.mark.parametrize("name", ENGINE)
-def test_chunk_engine_shapes_equal_the_flat_call(torch_backend, name):
+def test_chunk_engine_shapes_equal_the_flat_call(backend, name):
+    # the Triton kernels read A_log / dt_bias through the flat views (element stride 1)
     t, kw = _tokens(15, seqlens=[5, 0, 3])
     h0 = _pool(16, P=3, v_first=False)
     leaves = {n: x.clone().requires_grad_() for n, x in t.items() if n not in ("A_log", "dt_bias")}
@@ -321,15 +299,11 @@ def test_chunk_index_outside_the_pool(torch_backend):
         assert msg.startswith("state_indices must lie in [-1, 3] for a pool of 4 rows")
 
 
-@pytest.mark.xfail(strict=True, reason="chunk.py does not check state_indices for duplicates yet (see "
-                                       "validate.check_state_pool): two sequences writing one row pass")
 def test_chunk_duplicate_rows_are_refused(torch_backend):
     msg = _chunk_pool_call(torch.tensor([2, 0, 2], dtype=torch.int32))
     assert msg.startswith("state_indices rows must be distinct across sequences: row 2 is used by sequences 0 and 2")
 
 
-@pytest.mark.xfail(strict=True, reason="chunk.py checks the gathered rows, so a wrong-length state_indices is "
-                                       "reported as initial_state's shape (see validate.check_state_pool)")
 @pytest.mark.parametrize("length", [2, 4])
 def test_chunk_wrong_length_names_state_indices(torch_backend, length):
     msg = _chunk_pool_call(torch.tensor([0, 1, 2, 3][:length], dtype=torch.int32))

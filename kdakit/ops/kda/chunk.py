@@ -19,7 +19,7 @@ import torch
 
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.chunk_reference import chunked_kda_reference
-from kdakit.ops.kda.validate import validate_kda_inputs
+from kdakit.ops.kda.validate import check_state_pool, flat_gate_params, validate_kda_inputs
 
 # FLA 0.6.0 options kdakit does not implement; each raises if set to a non-default value.
 _UNSUPPORTED_FLA_OPTIONS = {
@@ -148,16 +148,19 @@ def chunk_kda(
 
     pool = padded = None
     if state_indices is not None:
-        pool = initial_state
-        initial_state, padded = _gather_pool(pool, state_indices, q, v, state_v_first)
+        pool, initial_state = initial_state, None
 
     shape = validate_kda_inputs(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
         A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
+        cu_seqlens_cpu=cu_seqlens_cpu, engine_gate_shapes=True,
     )
+    A_log, dt_bias = flat_gate_params(A_log, dt_bias)  # engine shapes -> the [HV] / [HV * K] views the kernels read
+    if pool is not None:
+        host = check_state_pool(pool, state_indices, shape, state_v_first=state_v_first, device=q.device)
+        initial_state, padded = _gather_pool(pool, state_indices, host)
     padding = _padding_masks(padded, shape, state_indices, v) if padded else None
     if scale is None:
         scale = shape.K ** -0.5
@@ -214,22 +217,10 @@ def _padding_masks(padded, shape, state_indices, v):
     return kept.to(state_indices.device), mask.to(v.device)
 
 
-def _gather_pool(pool, state_indices, q, v, state_v_first):
-    if not isinstance(pool, torch.Tensor):
-        raise ValueError("state_indices needs initial_state to be the state pool [P, HV, ...], got None")
-    if not isinstance(state_indices, torch.Tensor) or state_indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"state_indices must be an int32 tensor, got {getattr(state_indices, 'dtype', type(state_indices).__name__)}")
-    if state_indices.dim() != 1:
-        raise ValueError(f"state_indices must be 1-D [N], got shape {list(state_indices.shape)}")
-    if pool.dim() != 4:
-        raise ValueError(f"the state pool (initial_state) must be 4-D [P, HV, ...], got shape {list(pool.shape)}")
-    P = pool.shape[0]
+def _gather_pool(pool, state_indices, host):
+    """Sequence n's initial state from pool row ``host[n]`` (zeros where -1); ``host``: the indices
+    as ``check_state_pool`` read them, so nothing here reads them again."""
     idx = state_indices.long()
-    # The one host read of this path (a device->host copy for CUDA indices): it checks the range
-    # and finds the padded sequences, so that nothing after it reads the indices again.
-    host = idx.tolist()
-    if host and (max(host) >= P or min(host) < -1):
-        raise ValueError(f"state_indices must lie in [-1, {P - 1}] for a pool of {P} rows, got {host}")
     padded = tuple(n for n, i in enumerate(host) if i < 0)
     rows = pool[idx.clamp(min=0)]
     if padded:
