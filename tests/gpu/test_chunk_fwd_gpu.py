@@ -209,3 +209,29 @@ def test_64bit_addressing():
     assert torch.equal(ht[1:], ht_tail)
     ro, _ = _reference(*parts, **kw)
     _check("o tail", ro, o_tail, 0.005)
+
+
+def test_intermediate_states_match_fla():
+    """return_intermediate_states: h equals FLA 0.6.0's h on the same inputs (within bf16 storage rounding)
+    and the state kdakit's own forward reaches at each 64-token boundary."""
+    from kdakit import chunk_kda
+
+    lengths = [4096, 100, 3000]
+    (q, k, v, g, beta), params = _inputs(1, sum(lengths), 8, 8, 128, 128, seed=12)
+    cu = _cu(lengths)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              safe_gate=True, lower_bound=-5.0, cu_seqlens=cu, **params)
+    with torch.inference_mode():
+        o, _, h = chunk_kda(q, k, v, g, beta, return_intermediate_states=True, **kw)
+    NT = sum(-(-n // 64) for n in lengths)
+    assert h.shape == (1, NT, 8, 128, 128) and h.dtype == k.dtype
+    assert torch.isfinite(h).all()
+    # the state entering chunk 1 of sequence 0 equals the final state of its first 64 tokens
+    with torch.inference_mode():
+        _, s64 = chunk_kda(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], output_final_state=True,
+                           **dict(kw, cu_seqlens=None))
+    _check("h[1] vs a 64-token run", s64[0].float(), h[0, 1].float(), 0.005)
+    fla = pytest.importorskip("fla.ops.kda")
+    with torch.inference_mode():
+        _, _, h_fla = fla.chunk_kda(q, k, v, g, beta, return_intermediate_states=True, **kw)
+    _check("h vs FLA", h_fla.float(), h.float(), 0.01)

@@ -18,13 +18,12 @@ import warnings
 import torch
 
 from kdakit.ops.kda.backend import select_backend
-from kdakit.ops.kda.chunk_reference import chunked_kda_reference
+from kdakit.ops.kda.chunk_reference import chunked_kda_reference, chunked_kda_reference_states
 from kdakit.ops.kda.validate import check_state_pool, flat_gate_params, validate_kda_inputs
 
 # FLA 0.6.0 options kdakit does not implement; each raises if set to a non-default value.
 _UNSUPPORTED_FLA_OPTIONS = {
     "disable_recompute": False,
-    "return_intermediate_states": False,
     "use_graph": False,
     "max_num_seqs": None,
 }
@@ -91,7 +90,11 @@ def chunk_kda(
             ``cu_seqlens`` comes from the context. kdakit extension: ``initial_state`` is then the
             global ``[N, HV, ...]`` (same on every rank) and ``output_final_state`` returns the
             global states of the sequences that end on this rank (zeros elsewhere).
-        disable_recompute, return_intermediate_states, use_graph, max_num_seqs:
+        return_intermediate_states: under ``torch.inference_mode()`` only (as in FLA; otherwise
+            ``ValueError``): also return h, the state entering every 64-token chunk of every sequence
+            (prefix caching), ``[B, NT, HV, K, V]`` (``[.., V, K]`` with ``state_v_first``) in k's dtype;
+            B = 1 and NT over all sequences when packed. Not with ``cp_context``.
+        disable_recompute, use_graph, max_num_seqs:
             FLA options kdakit does not implement; setting one raises ``ValueError``.
 
     kdakit-only keyword arguments:
@@ -113,10 +116,9 @@ def chunk_kda(
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (float64
-        for float64 inputs) or None.
+        for float64 inputs) or None. With return_intermediate_states, ``(o, final_state, h)``.
     """
-    fla_opts = {"disable_recompute": disable_recompute, "return_intermediate_states": return_intermediate_states,
-                "use_graph": use_graph, "max_num_seqs": max_num_seqs}
+    fla_opts = {"disable_recompute": disable_recompute, "use_graph": use_graph, "max_num_seqs": max_num_seqs}
     for name, default in _UNSUPPORTED_FLA_OPTIONS.items():
         if fla_opts[name] != default:
             raise ValueError(f"{name} is an FLA option kdakit does not implement: expected {default!r}, got {fla_opts[name]!r}")
@@ -134,6 +136,11 @@ def chunk_kda(
             raise ValueError(f"checkpoint_every_n_tokens must be a positive multiple of {unit} or None, "
                              f"got {checkpoint_every_n_tokens!r}")
 
+    if return_intermediate_states and not torch.is_inference_mode_enabled():
+        raise ValueError("return_intermediate_states is for inference: call chunk_kda under torch.inference_mode(), "
+                         "got it outside inference mode")
+    if return_intermediate_states and cp_context is not None:
+        raise ValueError("return_intermediate_states does not combine with cp_context, got both")
     if cp_context is not None:
         from kdakit.distributed.cp import chunk_kda_cp
 
@@ -179,21 +186,31 @@ def chunk_kda(
     if backend == "triton" and chunk_size not in (None, 16):
         raise ValueError(f"chunk_size={chunk_size} is for the PyTorch path; the Triton kernels use 16-token chunks "
                          "(pass None or 16)")
+    h = None
     if backend == "triton":
-        from kdakit.ops.kda.chunk_triton import chunk_kda_triton
+        from kdakit.ops.kda.chunk_triton import chunk_kda_triton, chunk_kda_triton_states
 
-        o, final = chunk_kda_triton(q, k, v, g, beta, safe_gate=safe_gate, seqlens=shape.seqlens, **kwargs)
+        if return_intermediate_states:
+            o, final, h = chunk_kda_triton_states(q, k, v, g, beta, safe_gate=safe_gate, seqlens=shape.seqlens,
+                                                  **kwargs)
+        else:
+            o, final = chunk_kda_triton(q, k, v, g, beta, safe_gate=safe_gate, seqlens=shape.seqlens, **kwargs)
     else:
         if cu_seqlens_cpu is not None:
             # The reference reads the offsets on the host: give it the host copy (validated
             # above, equal to cu_seqlens by the caller's promise) so that it does not read
             # cu_seqlens back from the device either.
             kwargs["cu_seqlens"] = cu_seqlens_cpu
-        o, final = chunked_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+        if return_intermediate_states:
+            o, final, h = chunked_kda_reference_states(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+        else:
+            o, final = chunked_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
     if pool is not None:
         _scatter_pool(pool, final, state_indices, padding)
         if padding is not None:
             o = o * padding[1]  # padded sequences give zero output, as in kda_decode
+    if return_intermediate_states:
+        return o, (final if output_final_state else None), h
     return o, (final if output_final_state else None)
 
 

@@ -209,15 +209,17 @@ def chunk_kda_fwd_intra_kernel(
 @triton.jit
 def _state_step(
     S, t0, seq_len, w_base, qg_base, kd_base, a_base, uo_base, gc_base, ckpt, ck_row0, i_hv,
-    scale, HV, v0, L_CKPT,
+    scale, HV, v0, L_CKPT, s_ck_k, s_ck_v,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    STORE_CKPT: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_CKPT: tl.constexpr, CKPT_BF16: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """One chunk (rows t0 .. t0 + C - 1 of the sequence): O over U, maybe a checkpoint; returns the new S."""
     if STORE_CKPT:
         if t0 % L_CKPT == 0:
             row = ck_row0 + t0 // L_CKPT
-            store_matrix(ckpt + (row * HV + i_hv) * (K * V), S, V, 1, K, V, v0, BK, BV)
+            store_matrix(ckpt + (row * HV + i_hv) * (K * V), round_to_bf16_if(S, CKPT_BF16), s_ck_k, s_ck_v, K, V,
+                         v0, BK, BV)
 
     wt = dot_operand(load_rows_native(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
     qgt = dot_operand(load_rows_native(qg_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
@@ -242,10 +244,10 @@ def chunk_kda_fwd_state_kernel(
     scale, T, HV, NTS,
     s_h0_n, s_h0_h, s_h0_k, s_h0_v,
     s_ht_n, s_ht_h, s_ht_k, s_ht_v,
-    L_CKPT,
+    L_CKPT, s_ck_k, s_ck_v,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_CKPT: tl.constexpr,
-    OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr,
+    CKPT_BF16: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -284,14 +286,14 @@ def chunk_kda_fwd_state_kernel(
         i_c = 0
         while i_c < n_chunks:
             S = _state_step(S, i_c * C, seq_len, w_base, qg_base, kd_base, a_base, uo_base, gc_base,
-                            ckpt, ck_row0, i_hv, scale, HV, v0, L_CKPT, K, V, C, BK, BV,
-                            STORE_CKPT, OP_BF16, EMULATE_BF16, DOT_PREC)
+                            ckpt, ck_row0, i_hv, scale, HV, v0, L_CKPT, s_ck_k, s_ck_v, K, V, C, BK, BV,
+                            STORE_CKPT, CKPT_BF16, OP_BF16, EMULATE_BF16, DOT_PREC)
             i_c += 1
     else:
         for i_c in range(0, n_chunks):
             S = _state_step(S, i_c * C, seq_len, w_base, qg_base, kd_base, a_base, uo_base, gc_base,
-                            ckpt, ck_row0, i_hv, scale, HV, v0, L_CKPT, K, V, C, BK, BV,
-                            STORE_CKPT, OP_BF16, EMULATE_BF16, DOT_PREC)
+                            ckpt, ck_row0, i_hv, scale, HV, v0, L_CKPT, s_ck_k, s_ck_v, K, V, C, BK, BV,
+                            STORE_CKPT, CKPT_BF16, OP_BF16, EMULATE_BF16, DOT_PREC)
 
     if STORE_HT:
         store_matrix(ht + i_n.to(tl.int64) * s_ht_n + i_hv * s_ht_h, S, s_ht_k, s_ht_v, K, V, v0, BK, BV)
@@ -385,6 +387,8 @@ def chunk_kda_fwd(
     plan: KDAPlan | None = None,
     save_checkpoints: bool = True,
     ckpt_offsets: torch.Tensor | None = None,
+    checkpoint_dtype: torch.dtype = torch.float32,
+    checkpoint_v_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Run the chunked KDA forward kernels on validated inputs.
 
@@ -394,8 +398,10 @@ def chunk_kda_fwd(
     strides); cu_seqlens int32/int64 ``[N + 1]`` with B = 1.
 
     Returns ``o`` ``[B, T, HV, V]`` in v's dtype, the final state (fp32, requested layout)
-    or None, and the checkpoints fp32 ``[plan.num_checkpoints, HV, K, V]`` or None (see
-    ``plan.checkpoint_offsets`` for their rows). ``plan`` defaults to ``plan_kda`` of the
+    or None, and the checkpoints ``[plan.num_checkpoints, HV, K, V]`` (``[.., V, K]`` with
+    checkpoint_v_first) in ``checkpoint_dtype`` (fp32 for the backward; the token dtype for
+    ``chunk_kda(..., return_intermediate_states=True)``, which is FLA's h at a 64-token cadence) or
+    None (see ``plan.checkpoint_offsets`` for their rows). ``plan`` defaults to ``plan_kda`` of the
     shapes (it fixes the checkpoint cadence and the V block). ``ckpt_offsets`` (int64
     ``[N + 1]`` on the device, ``plan.checkpoint_offsets``) is made here when not given; a caller
     that also runs the backward passes its own so one tensor serves both. Allocates, in this order, what
@@ -434,7 +440,10 @@ def chunk_kda_fwd(
     ckpts = offsets = None
     if save_checkpoints:
         offsets = ckpt_offsets if ckpt_offsets is not None else plan.checkpoint_offsets(dev)
-        ckpts = torch.empty((plan.num_checkpoints, HV, K, V), dtype=torch.float32, device=dev)
+        if checkpoint_dtype != plan.checkpoint_dtype:
+            raise ValueError(f"checkpoint_dtype {checkpoint_dtype} differs from the plan's {plan.checkpoint_dtype}")
+        ckpts = torch.empty((plan.num_checkpoints, HV, V, K) if checkpoint_v_first else
+                            (plan.num_checkpoints, HV, K, V), dtype=checkpoint_dtype, device=dev)
     if N * HV == 0 or T == 0:
         if final is not None:
             final.copy_(_initial_or_zeros(initial_state, final))
@@ -454,8 +463,10 @@ def chunk_kda_fwd(
     chunk_kda_fwd_state_kernel[(N * HV, triton.cdiv(V, BV))](
         w, qg, kd, aqk, gc, o, initial_state, final, ckpts, cu_seqlens, chunk_offsets, offsets,
         float(scale), T, HV, triton.cdiv(T, C), *h0_strides, *ht_strides, L,
+        *((1, K) if checkpoint_v_first else (V, 1)),
         K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=varlen, HAS_H0=initial_state is not None,
         STORE_HT=final is not None, STORE_CKPT=ckpts is not None,
+        CKPT_BF16=interp and checkpoint_dtype == torch.bfloat16,
         OP_BF16=STATE_BF16_OPERANDS and q.dtype == torch.bfloat16, EMULATE_BF16=interp and q.dtype == torch.bfloat16,
         DOT_PREC=_dot_precision(q.dtype),
         LOOP_WHILE=interp, num_warps=state_num_warps(BK, BV), num_stages=STATE_NUM_STAGES,

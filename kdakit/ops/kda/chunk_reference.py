@@ -148,6 +148,28 @@ def _segment_forward(tokens, valid, S, params, opts: ReferenceOptions, group: in
     return O, S
 
 
+def _forward_segments(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: ReferenceOptions):
+    """The forward, one checkpoint segment at a time: (o ``[B, T, HV, V]``, the final state and the list of
+    segment-start states, each ``[N, HV, K, V]`` K-major in the compute dtype)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dt = compute_dtype(q, k, v, g, beta)
+    idx, valid = sequence_index(B, T, cu_seqlens, opts.chunk_size, q.device)
+    N, L = idx.shape
+    raw = tuple(x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+    S = _initial_state(initial_state, N, HV, K, V, dt, q.device, opts.state_v_first)
+    o_flat = v.new_zeros(B * T, HV, V)
+    seg = opts.checkpoint_every_n_tokens
+    ckpts = []
+    with torch.no_grad():
+        for s in range(0, L, seg):
+            ckpts.append(S)
+            tokens = [x[idx[:, s:s + seg]] for x in raw]
+            O, S = _segment_forward(tokens, valid[:, s:s + seg], S, (A_log, dt_bias), opts, HV // H)
+            _scatter_rows(o_flat, O.permute(0, 2, 1, 3), idx[:, s:s + seg], valid[:, s:s + seg])
+    return o_flat.view(B, T, HV, V), S, ckpts
+
+
 class ChunkedKDAFunction(torch.autograd.Function):
     """Chunked KDA with sparse state checkpoints and per-segment recompute in backward.
 
@@ -157,26 +179,10 @@ class ChunkedKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: ReferenceOptions):
-        B, T, H, K = q.shape
-        HV, V = v.shape[2], v.shape[3]
-        dt = compute_dtype(q, k, v, g, beta)
-        idx, valid = sequence_index(B, T, cu_seqlens, opts.chunk_size, q.device)
-        N, L = idx.shape
-        raw = tuple(x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
-        S = _initial_state(initial_state, N, HV, K, V, dt, q.device, opts.state_v_first)
-        o_flat = v.new_zeros(B * T, HV, V)
-        seg = opts.checkpoint_every_n_tokens
-        ckpts = []
-        with torch.no_grad():
-            for s in range(0, L, seg):
-                ckpts.append(S)
-                tokens = [x[idx[:, s:s + seg]] for x in raw]
-                O, S = _segment_forward(tokens, valid[:, s:s + seg], S, (A_log, dt_bias), opts, HV // H)
-                _scatter_rows(o_flat, O.permute(0, 2, 1, 3), idx[:, s:s + seg], valid[:, s:s + seg])
+        o, S, ckpts = _forward_segments(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                               torch.stack(ckpts) if ckpts else S.new_zeros(0, *S.shape))
         ctx.opts = opts
-        o = o_flat.view(B, T, HV, V)
         if not opts.output_final_state:
             return o, None
         final = S.transpose(-1, -2) if opts.state_v_first else S
@@ -280,3 +286,43 @@ def chunked_kda_reference(
         checkpoint_every_n_tokens=seg,
     )
     return ChunkedKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+
+
+INTERMEDIATE_STATE_TOKENS = 64  # FLA's h: the state at the start of every 64-token chunk
+
+
+@torch.no_grad()
+def chunked_kda_reference_states(q, k, v, g, beta, *, scale: float, A_log=None, dt_bias=None, initial_state=None,
+                                 output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                                 use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+                                 allow_neg_eigval: bool = False, lower_bound: float | None = None,
+                                 state_v_first: bool = False, cu_seqlens=None, chunk_size: int | None = None,
+                                 checkpoint_every_n_tokens: int | None = None):
+    """``chunk_kda(..., return_intermediate_states=True)`` on the PyTorch path: ``(o, final_state or None, h)``,
+    h the state entering every 64-token chunk of every sequence, ``[B, NT, HV, K, V]`` (``[.., V, K]`` with
+    state_v_first) in k's dtype; NT chunks per sequence (B = 1 and NT over all sequences when packed).
+    ``checkpoint_every_n_tokens`` is ignored: the segments are the 64-token chunks."""
+    C = chunk_size or DEFAULT_CHUNK_SIZE
+    opts = ReferenceOptions(
+        scale=float(scale), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, state_v_first=state_v_first, output_final_state=output_final_state, chunk_size=C,
+        checkpoint_every_n_tokens=INTERMEDIATE_STATE_TOKENS)
+    o, S, ckpts = _forward_segments(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+    B, T = q.shape[:2]
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    if cu_seqlens is None:
+        lengths = [T] * B
+    else:
+        cu = cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+    per_seq = [-(-n // INTERMEDIATE_STATE_TOKENS) for n in lengths]
+    rows = [ckpts[c][n] for n, count in enumerate(per_seq) for c in range(count)]
+    h = torch.stack(rows) if rows else q.new_zeros((0, HV, K, V), dtype=S.dtype)
+    if state_v_first:
+        h = h.transpose(-1, -2)
+    h = h.to(k.dtype).contiguous().view(B if cu_seqlens is None else 1, -1, *h.shape[1:])
+    final = None
+    if output_final_state:
+        final = (S.transpose(-1, -2) if state_v_first else S).contiguous()
+    return o, final, h

@@ -18,6 +18,7 @@ from kdakit.ops.kda.chunk_bwd64 import chunk_kda_bwd64
 from kdakit.ops.kda.chunk_fwd64 import chunk_kda_fwd64
 from kdakit.ops.kda.chunk_prep64 import chunk64_options
 from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd
+from kdakit.ops.kda.chunk_reference import INTERMEDIATE_STATE_TOKENS
 from kdakit.ops.kda.plan import plan_kda, sequence_lengths
 
 _FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
@@ -81,6 +82,14 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, A_log, dt_bias, initial_state, 
     ``seqlens``: the per-sequence lengths of ``cu_seqlens`` already on the host (``KDAShape.seqlens``);
     None reads them from ``cu_seqlens``.
     """
+    seqlens = _checked(q, k, v, g, beta, cu_seqlens, seqlens, flags)
+    return ChunkKDATritonFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, seqlens,
+                                        float(scale), bool(output_final_state), checkpoint_every_n_tokens,
+                                        dict(flags))
+
+
+def _checked(q, k, v, g, beta, cu_seqlens, seqlens, flags) -> tuple | None:
+    """What the Triton kernels need beyond validation; returns the host lengths of packed sequences."""
     if cu_seqlens is None:
         seqlens = None
     elif seqlens is None:
@@ -94,6 +103,23 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, A_log, dt_bias, initial_state, 
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"{name} must be float16, bfloat16 or float32 for the Triton kernels, got {t.dtype}; "
                             "use KDAKIT_BACKEND=torch for float64")
-    return ChunkKDATritonFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, seqlens,
-                                        float(scale), bool(output_final_state), checkpoint_every_n_tokens,
-                                        dict(flags))
+    return seqlens
+
+
+def chunk_kda_triton_states(q, k, v, g, beta, *, scale, A_log, dt_bias, initial_state, output_final_state,
+                            cu_seqlens, checkpoint_every_n_tokens=None, seqlens=None, **flags):
+    """``chunk_kda(..., return_intermediate_states=True)`` on the Triton kernels (inference, no autograd):
+    ``(o, final_state or None, h)``. h is the forward's own checkpoint store at a 64-token cadence, written
+    in k's dtype and the requested state layout straight from the state kernel: ``[B, NT, HV, K, V]``
+    (``[.., V, K]`` with state_v_first), B = 1 and NT over all sequences when packed (FLA's h)."""
+    del checkpoint_every_n_tokens  # the cadence is h's, 64 tokens
+    seqlens = _checked(q, k, v, g, beta, cu_seqlens, seqlens, flags)
+    plan = plan_kda(q, v, seqlens=seqlens, checkpoint_every_n_tokens=INTERMEDIATE_STATE_TOKENS,
+                    initial_state=initial_state is not None,
+                    initial_state_dtype=initial_state.dtype if initial_state is not None else torch.float32,
+                    output_final_state=output_final_state, gate_params=A_log is not None, checkpoint_dtype=k.dtype)
+    o, final, h = chunk_kda_fwd(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+                                initial_state=initial_state, output_final_state=output_final_state,
+                                cu_seqlens=cu_seqlens, plan=plan, checkpoint_dtype=k.dtype,
+                                checkpoint_v_first=bool(flags.get("state_v_first")), **flags)
+    return o, final, h.view(1 if cu_seqlens is not None else q.shape[0], -1, *h.shape[1:])

@@ -124,6 +124,7 @@ class KDAPlan:
     # allocated, freed and allocated again, e.g. checkpoint_offsets); marks name phases.
     events: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     num_chunks: int = 0  # chunks of C tokens over all sequences (the forward intra kernel's grid)
+    checkpoint_dtype: torch.dtype = torch.float32
 
     @property
     def workspace_bytes(self) -> int:
@@ -260,7 +261,7 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
              checkpoint_every_n_tokens: int | None = None, initial_state: bool = False,
              initial_state_dtype: torch.dtype = torch.float32, output_final_state: bool = False,
              gate_params: bool = True, backend: str = "triton", block_v: int | None = None,
-             num_sms: int = H200_SMS) -> KDAPlan:
+             num_sms: int = H200_SMS, checkpoint_dtype: torch.dtype = torch.float32) -> KDAPlan:
     """Plan a ``chunk_kda`` training call (forward + backward) from shapes alone.
 
     Shapes come from tensors ``q`` ``[B, T, H, K]`` and ``v`` ``[B, T, HV, V]`` (metadata only)
@@ -268,7 +269,8 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
     (default: q's, else bf16). Packed sequences: ``seqlens`` (list of lengths, B = 1) or
     ``cu_seqlens`` (list or tensor). ``initial_state`` / ``output_final_state`` say whether
     those state tensors exist; ``gate_params`` whether fp32 ``A_log [HV]`` and
-    ``dt_bias [HV*K]`` are inputs (and get gradients). ``backend`` is 'triton' (exact model)
+    ``dt_bias [HV*K]`` are inputs (and get gradients). ``checkpoint_dtype``: fp32 for training; the
+    token dtype when the checkpoints are ``return_intermediate_states``'s h. ``backend`` is 'triton' (exact model)
     or 'torch' (the PyTorch path: checkpoints and floor only, ``peak_model = 'lower bound'``).
     """
     if backend not in ("triton", "torch"):
@@ -312,12 +314,13 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
         lengths = [T] * B
     return _plan_cached(backend, B, T, H, HV, K, V, dtype, tuple(lengths), cu_seqlens is not None,
                         checkpoint_every_n_tokens, bool(initial_state), initial_state_dtype, bool(output_final_state),
-                        bool(gate_params), block_v, num_sms)
+                        bool(gate_params), block_v, num_sms, checkpoint_dtype)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_every_n_tokens, initial_state,
-                 initial_state_dtype, output_final_state, gate_params, block_v, num_sms) -> KDAPlan:
+                 initial_state_dtype, output_final_state, gate_params, block_v, num_sms,
+                 checkpoint_dtype) -> KDAPlan:
     """plan_kda's body on normalized, hashable arguments, memoized: a training loop plans the same shapes every
     step, and building the plan was most of kdakit's host time per call (~0.4 ms on the 2-core CPU machine;
     on the H200 host the forward's wall time exceeded its kernel time by ~1.5 ms at 1 x 8K H96). KDAPlan is
@@ -371,7 +374,7 @@ def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_
     fwd_temps = ()
     if backend == "triton":
         add("checkpoint_offsets", (N + 1,), torch.int64, "state checkpoints", "saved")
-        add("checkpoints", (n_ckpt, HV, K, V), f32, "state checkpoints", "saved")
+        add("checkpoints", (n_ckpt, HV, K, V), checkpoint_dtype, "state checkpoints", "saved")
         # Intra-chunk kernel outputs read by the state kernel (chunk_fwd); U is written into o.
         if varlen:
             add("fwd_chunk_table", (2 * n_chunks + N + 1,), torch.int32, "workspace", "forward")
@@ -433,7 +436,7 @@ def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_
         forward_workspace_bytes=fwd_ws, backward_workspace_bytes=bwd_ws, transient_bytes=transient,
         floor_bytes=floor, forward_peak_bytes=fwd_peak,
         predicted_peak_bytes=peak if backend == "triton" else floor + saved, peak_at=peak_at,
-        events=tuple(events),
+        events=tuple(events), checkpoint_dtype=checkpoint_dtype,
         allocations=tuple(allocs), peak_model="exact" if backend == "triton" else "lower bound",
         num_chunks=n_chunks,
     )
