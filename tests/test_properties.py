@@ -749,15 +749,9 @@ CHUNK_CORRUPTIONS = _token_corruptions() + _state_corruptions() + [
      lambda t, kw, c, rnd: kw.update(state_indices=torch.tensor([-2] + list(range(c.N - 1)), dtype=torch.int32))),
     ("state_indices-shape", ValueError, "state_indices",
      lambda t, kw, c, rnd: kw.update(state_indices=torch.arange(c.N + 1, dtype=torch.int32))),
-    pytest.param(("state_indices-without-pool", ValueError, "state_indices",
+    ("state_indices-without-pool", ValueError, "state_indices",
                   lambda t, kw, c, rnd: (t.pop("initial_state"),
                                          kw.update(state_indices=torch.tensor([c.N + 3] * c.N, dtype=torch.int32)))),
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "chunk_kda ignores state_indices when initial_state is None: chunk.py moves initial_state "
-                     "(None) into `pool` and runs check_state_pool / the gather / the scatter only `if pool is not "
-                     "None`, so check_state_pool's 'state_indices needs initial_state' error is unreachable and "
-                     "even out-of-range or duplicate indices (and -1 padding, whose output should be zero) pass "
-                     "silently"))),
 ]
 
 
@@ -896,15 +890,11 @@ def _seqlens(kw, rnd, lengths):
     kw["seqlens"] = lengths
 
 
-PLAN_BUG_NEGATIVE = ("plan_kda's error for a negative packed length ('sequence lengths must be >= 0, got [...]') "
-                     "names neither seqlens nor cu_seqlens")
 PLAN_CORRUPTIONS = [
     ("H-missing", ValueError, "H", lambda kw, rnd: kw.pop("H")),
     ("K-missing", ValueError, "K", lambda kw, rnd: kw.pop("K")),
     ("B-missing", ValueError, "B", lambda kw, rnd: kw.pop("B")),
-    pytest.param(("H-zero", ValueError, "H", lambda kw, rnd: kw.update(H=0, HV=0)), marks=pytest.mark.xfail(
-        strict=True, reason="plan_kda(H=0) raises ZeroDivisionError ('integer modulo by zero' from HV % H, before "
-                            "the H > 0 check) instead of a ValueError naming H")),
+    ("H-zero", ValueError, "H", lambda kw, rnd: kw.update(H=0, HV=0)),
     ("HV-zero", ValueError, "HV", lambda kw, rnd: kw.update(HV=0)),
     ("HV-not-multiple", ValueError, "HV", lambda kw, rnd: kw.update(H=2, HV=2 * rnd.randint(1, 3) + 1)),
     ("K-negative", ValueError, "K", lambda kw, rnd: kw.update(K=-rnd.randint(1, 64))),
@@ -912,22 +902,15 @@ PLAN_CORRUPTIONS = [
     ("V-over-128-triton", ValueError, "V", lambda kw, rnd: kw.update(V=rnd.choice((129, 256)))),
     ("B-negative", ValueError, "B", lambda kw, rnd: kw.update(B=-rnd.randint(1, 4))),
     ("T-negative", ValueError, "T", lambda kw, rnd: kw.update(T=-rnd.randint(1, 4))),
-    pytest.param(("T-not-an-integer", (ValueError, TypeError), "T", lambda kw, rnd: kw.update(T=kw["T"] + 0.5)),
-                 marks=pytest.mark.xfail(strict=True, reason="plan_kda accepts a non-integer T (T=4.5 is planned "
-                                                             "as int(T) = 4 tokens) without an error")),
-    pytest.param(("seqlens-negative", ValueError, "seqlens",
+    ("T-not-an-integer", (ValueError, TypeError), "T", lambda kw, rnd: kw.update(T=kw["T"] + 0.5)),
+    ("seqlens-negative", ValueError, "seqlens",
                   lambda kw, rnd: _seqlens(kw, rnd, [rnd.randint(0, 64), -rnd.randint(1, 64)])),
-                 marks=pytest.mark.xfail(strict=True, reason=PLAN_BUG_NEGATIVE)),
-    pytest.param(("cu_seqlens-decreasing", ValueError, "cu_seqlens",
+    ("cu_seqlens-decreasing", ValueError, "cu_seqlens",
                   lambda kw, rnd: (_seqlens(kw, rnd, None), kw.pop("seqlens"),
                                    kw.update(cu_seqlens=[0, 40, 40 - rnd.randint(1, 40)]))),
-                 marks=pytest.mark.xfail(strict=True, reason=PLAN_BUG_NEGATIVE)),
-    pytest.param(("cu_seqlens-start", ValueError, "cu_seqlens",
+    ("cu_seqlens-start", ValueError, "cu_seqlens",
                   lambda kw, rnd: (_seqlens(kw, rnd, None), kw.pop("seqlens"),
                                    kw.update(cu_seqlens=[rnd.randint(1, 16), 40]))),
-                 marks=pytest.mark.xfail(strict=True, reason="plan_kda accepts cu_seqlens that do not start at 0 "
-                                                             "(cu_seqlens=[5, 40] is planned as one 35-token "
-                                                             "sequence) while chunk_kda refuses them")),
     ("seqlens-and-cu_seqlens", ValueError, "cu_seqlens",
      lambda kw, rnd: (_seqlens(kw, rnd, [3, 4]), kw.update(cu_seqlens=[0, 3, 7]))),
     ("T-mismatch-with-seqlens", ValueError, "T",

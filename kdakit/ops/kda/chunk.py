@@ -165,7 +165,7 @@ def chunk_kda(
         cu_seqlens_cpu=cu_seqlens_cpu, engine_gate_shapes=True,
     )
     A_log, dt_bias = flat_gate_params(A_log, dt_bias)  # engine shapes -> the [HV] / [HV * K] views the kernels read
-    if pool is not None:
+    if state_indices is not None:  # check_state_pool refuses a missing pool too
         host = check_state_pool(pool, state_indices, shape, state_v_first=state_v_first, device=q.device)
         initial_state, padded = _gather_pool(pool, state_indices, host)
     padding = _padding_masks(padded, shape, state_indices, v) if padded else None

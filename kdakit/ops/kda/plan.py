@@ -283,24 +283,34 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
     for name, val in (("B", B), ("T", T), ("H", H), ("K", K)):
         if val is None and not (name in ("B", "T") and (seqlens is not None or cu_seqlens is not None)):
             raise ValueError(f"plan_kda needs {name} (or a tensor carrying it), got None")
+    for name, val in (("B", B), ("T", T), ("H", H), ("HV", HV), ("K", K), ("V", V)):
+        if val is not None and (isinstance(val, bool) or int(val) != val):
+            raise TypeError(f"plan_kda's {name} must be an integer, got {val!r}")
     HV = H if HV is None else int(HV)
     V = K if V is None else int(V)
     H, K = int(H), int(K)
     dtype = dtype or torch.bfloat16
+    if min(H, HV, K, V) <= 0:
+        raise ValueError(f"H, HV, K and V must be positive, got H={H}, HV={HV}, K={K}, V={V}")
     if HV % H != 0:
         raise ValueError(f"HV must be a multiple of H={H}, got HV={HV}")
     if seqlens is not None and cu_seqlens is not None:
         raise ValueError("give seqlens or cu_seqlens, not both")
     if seqlens is not None:
         lengths = [int(n) for n in seqlens]
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"seqlens must be >= 0, got {lengths}")
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
         cu_seqlens = cu
     if cu_seqlens is not None:
-        lengths = sequence_lengths(1, 0, cu_seqlens)
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(x) for x in cu_seqlens]
+        if not cu or cu[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {cu[:4]}")
+        lengths = sequence_lengths(1, 0, cu)
         if any(n < 0 for n in lengths):
-            raise ValueError(f"sequence lengths must be >= 0, got {lengths}")
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
         total = sum(lengths)
         if T is not None and int(T) != total:
             raise ValueError(f"T={T} does not match the packed sequences' total {total}")
@@ -329,8 +339,6 @@ def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_
     if backend == "triton" and (K > 128 or V > 128):
         raise ValueError(f"the Triton kernels support K, V <= 128, got K={K}, V={V} (plan_kda(backend='torch') "
                          "prices the PyTorch path)")
-    if min(H, HV, K, V) <= 0:
-        raise ValueError(f"H, HV, K and V must be positive, got H={H}, HV={HV}, K={K}, V={V}")
 
     L = default_checkpoint_tokens(max(lengths, default=0)) if checkpoint_every_n_tokens is None else checkpoint_every_n_tokens
     _check_cadence(L)
