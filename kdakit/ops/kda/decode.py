@@ -44,7 +44,7 @@ import triton.language as tl
 
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.chunk_common import gate_mode, round_to_bf16, round_to_bf16_if, seq_bounds
-from kdakit.ops.kda.fused_recurrent import (
+from kdakit.ops.kda.recurrent_forward import (
     beta_mode,
     beta_value,
     check_kernel_layout,

@@ -1,28 +1,13 @@
-"""Recurrent (token-by-token) KDA forward in Triton, and the public ``fused_recurrent_kda``.
+"""The public recurrent KDA op ``fused_recurrent_kda`` and its autograd Function.
 
-Per sequence, value head and token (SPEC §2; state ``S`` is ``[K, V]``, fp32)::
+The kernels live in ``recurrent_forward.py`` (forward, per-token Triton functions),
+``recurrent_backward_kernels.py`` / ``recurrent_backward_segmented.py`` (backward) and
+``decode.py`` (the serving arguments' pool kernel); this module is the top of that layering
+and imports all of them (none imports it). The forward saves nothing for backward except
+the inputs: the backward recomputes the recurrence from the initial state.
 
-    S'  = Diag(exp(a_t)) S
-    u_t = beta_t (v_t - S'^T k_t)
-    S   = S' + k_t u_t^T
-    o_t = scale * S^T q_t
-
-with ``q_t, k_t`` l2-normalized, ``a_t`` the gate and ``beta_t`` the (sigmoid) beta when
-the in-kernel options ask for it.
-
-Kernel layout: grid ``(N * HV, cdiv(V, BV))``; each program keeps ``S[:, v-block]`` as a
-``[BK, BV]`` fp32 tile in registers (``BK = next_pow2(K)``, so K <= 256) and walks its
-sequence's tokens. V columns evolve independently, so programs never communicate. Token
-tensors are read in FLA's token-major layout (``q [B, T, H, K]``...); states in either
-``[N, HV, K, V]`` or value-first ``[N, HV, V, K]`` layout.
-
-The same kernel, with ``STORE_U``, replays the forward for the backward
-(``kdakit/ops/kda/recurrent_backward.py``) and writes ``u_t`` instead of ``o_t``. The
-forward saves nothing for backward except the inputs: the backward recomputes the
-recurrence from the initial state.
-
-This module also holds the per-token activations (l2norm, gate, beta) as Triton
-functions shared by the backward and the decode kernels.
+Names that lived here before the split (``launch_recurrent_forward``, the constants, the
+per-token Triton functions...) are re-exported below.
 """
 
 from __future__ import annotations
@@ -30,12 +15,33 @@ from __future__ import annotations
 import warnings
 
 import torch
-import triton
-import triton.language as tl
 
 from kdakit.ops.kda.backend import select_backend
-from kdakit.ops.kda.chunk_common import gate_mode, seq_bounds
+from kdakit.ops.kda.decode import fused_recurrent_kda_serving
 from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.recurrent_backward import run_recurrent_backward
+from kdakit.ops.kda.recurrent_forward import (
+    BETA_RAW,
+    BETA_SIGMOID,
+    BETA_SIGMOID_X2,
+    DEFAULT_SEGMENT_TOKENS,
+    FWD_BLOCK_V,
+    FWD_NUM_WARPS,
+    L2NORM_EPS,
+    MAX_HEAD_DIM,
+    SOFTPLUS_THRESHOLD,
+    beta_mode,
+    beta_value,
+    check_kernel_layout,
+    check_segment_tokens,
+    gate_preactivation,
+    launch_recurrent_forward,
+    load_qk_token,
+    load_token_raw,
+    log_decay,
+    qk_activation,
+    softplus_fp32,
+)
 from kdakit.ops.kda.validate import flat_gate_params, validate_kda_inputs
 from kdakit.ops.kda.workspace import (
     Workspace,
@@ -45,234 +51,31 @@ from kdakit.ops.kda.workspace import (
     resolve_workspace,
 )
 
-# ---------------------------------------------------------------------------------------------
-# Configuration
-# ---------------------------------------------------------------------------------------------
-
-MAX_HEAD_DIM = 256          # BK = next_pow2(K) lives in registers with a [BK, BV] state tile
-# State columns per program and warps: on the H200 (B=4, T=1024, H=16, K=V=128) [128, 16] tiles
-# with 4 warps ran the forward in 1.14 ms against 1.56 ms for [128, 32] (more programs in flight).
-FWD_BLOCK_V = 16
-FWD_NUM_WARPS = 4
-
-# Beta modes (constexpr BETA); the gate modes (constexpr GATE) are chunk_common's.
-BETA_RAW, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
-
-L2NORM_EPS = 1e-6
-SOFTPLUS_THRESHOLD = 20.0
-
-# The backward's segment length: sequences longer than this are recomputed segment by segment from
-# state checkpoints, so its scratch scales with segment_tokens, not T (recurrent_backward.py).
-DEFAULT_SEGMENT_TOKENS = 1024
-
-
-def check_segment_tokens(segment_tokens) -> int:
-    if isinstance(segment_tokens, bool) or not isinstance(segment_tokens, int):
-        raise TypeError(f"segment_tokens must be an int, got {type(segment_tokens).__name__}")
-    if segment_tokens < 1:
-        raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
-    return segment_tokens
-
-
-def beta_mode(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> int:
-    if not use_beta_sigmoid_in_kernel:
-        return BETA_RAW
-    return BETA_SIGMOID_X2 if allow_neg_eigval else BETA_SIGMOID
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-token activations (shared with the backward and decode kernels)
-# ---------------------------------------------------------------------------------------------
-
-@triton.jit
-def qk_activation(x, L2NORM: tl.constexpr):
-    """``x / sqrt(sum x^2 + 1e-6)`` when asked, else x."""
-    if L2NORM:
-        x = x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
-    return x
-
-
-@triton.jit
-def load_qk_token(ptr, offs_k, mask_k, L2NORM: tl.constexpr):
-    """One q or k row as fp32, l2-normalized when asked."""
-    return qk_activation(tl.load(ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32), L2NORM)
-
-
-@triton.jit
-def load_token_raw(q, k, g, v, beta, t, eos, i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Token t's raw q, k, g rows [BK], v block [BV] and beta as fp32 (zeros when t >= eos).
-
-    Issued one token ahead of its use, so that the loads overlap the previous token's math.
-    """
-    live = t < eos
-    qk_row = (t * H + i_h) * K
-    hv_row = t * HV + i_hv
-    b_q = tl.load(q + qk_row + offs_k, mask=mask_k & live, other=0.0).to(tl.float32)
-    b_k = tl.load(k + qk_row + offs_k, mask=mask_k & live, other=0.0).to(tl.float32)
-    b_g = tl.load(g + hv_row * K + offs_k, mask=mask_k & live, other=0.0).to(tl.float32)
-    b_v = tl.load(v + hv_row * V + offs_v, mask=mask_v & live, other=0.0).to(tl.float32)
-    b_b = tl.load(beta + hv_row + tl.zeros([1], dtype=tl.int64), mask=live, other=0.0).to(tl.float32)
-    return b_q, b_k, b_g, b_v, tl.sum(b_b, axis=0)
-
-
-@triton.jit
-def gate_preactivation(g_raw, dt_bias, i_hv, offs_k, mask_k, K: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """``g + dt_bias[hv]`` (the gate's input), fp32."""
-    x = g_raw
-    if HAS_BIAS:
-        x = x + tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    return x
-
-
-@triton.jit
-def softplus_fp32(x):
-    # softplus(x) = x above 20 (as torch with threshold 20); log(1 + e^x) ~ e^x far below 0,
-    # where 1 + e^x would round to 1 and lose the value.
-    sp = tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))
-    sp = tl.where(x < -15.0, tl.exp(x), sp)
-    return tl.where(x > 20.0, x, sp)
-
-
-@triton.jit
-def log_decay(g_raw, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound,
-              K: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The per-channel log-decay ``a_t`` from the raw gate row ``g_raw`` [BK] (SPEC §2)."""
-    if GATE == 0:
-        a = g_raw
-    else:
-        x = gate_preactivation(g_raw, dt_bias, i_hv, offs_k, mask_k, K, HAS_BIAS)
-        if GATE == 1:
-            a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus_fp32(x)
-        else:
-            if HAS_A:
-                x = tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * x
-            a = lower_bound * tl.sigmoid(x)
-    return a
-
-
-@triton.jit
-def beta_value(b_raw, BETA: tl.constexpr):
-    """``beta``, ``sigmoid(beta)`` or ``2 * sigmoid(beta)``."""
-    if BETA == 0:
-        b = b_raw
-    else:
-        b = tl.sigmoid(b_raw)
-        if BETA == 2:
-            b = 2.0 * b
-    return b
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernel
-# ---------------------------------------------------------------------------------------------
-
-@triton.jit(do_not_specialize=["T"])
-def _recurrent_fwd_kernel(
-    q, k, v, g, beta, A_log, dt_bias, h0, o, ht, u_out, cu_seqlens,
-    scale, lower_bound, T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr, STORE_U: tl.constexpr,
-    IS_VARLEN: tl.constexpr, STATE_V_FIRST: tl.constexpr, L2NORM: tl.constexpr,
-    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
-):
-    i_nh = tl.program_id(0)  # N * HV on axis 0: axes 1 and 2 hold at most 65535 programs
-    i_v = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    mask_s = mask_k[:, None] & mask_v[None, :]                                            # [BK, BV]
-    state_base = (i_n * HV + i_hv).to(tl.int64) * K * V
-    if STATE_V_FIRST:
-        offs_s = offs_v[None, :] * K + offs_k[:, None]                                    # [BK, BV]
-    else:
-        offs_s = offs_k[:, None] * V + offs_v[None, :]
-
-    # token bos's inputs are requested before the state, then each iteration requests the next token's
-    n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, bos, eos, i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
-                                             H, HV, K, V)
-    S = tl.zeros([BK, BV], dtype=tl.float32)                                              # [BK, BV]
-    if USE_H0:
-        S += tl.load(h0 + state_base + offs_s, mask=mask_s, other=0.0).to(tl.float32)
-
-    # while, not range(): the interpreter cannot take range() of a program-dependent bound.
-    t = bos
-    while t < eos:
-        b_q, b_k, b_g, b_v, b_beta = n_q, n_k, n_g, n_v, n_b
-        n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, t + 1, eos, i_h, i_hv, offs_k, mask_k,
-                                                 offs_v, mask_v, H, HV, K, V)
-        hv_row = t * HV + i_hv
-        b_q = qk_activation(b_q, L2NORM)                                                  # [BK]
-        b_k = qk_activation(b_k, L2NORM)                                                  # [BK]
-        b_a = log_decay(b_g, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound, K, GATE, HAS_A, HAS_BIAS)
-        b_beta = beta_value(b_beta, BETA)
-
-        S = S * tl.exp(b_a)[:, None]                                                      # S' = D S
-        b_u = b_beta * (b_v - tl.sum(S * b_k[:, None], axis=0))                           # [BV]
-        S = S + b_k[:, None] * b_u[None, :]
-        if STORE_U:
-            tl.store(u_out + hv_row * V + offs_v, b_u, mask=mask_v)
-        if STORE_O:
-            b_o = scale * tl.sum(S * b_q[:, None], axis=0)                                # [BV]
-            tl.store(o + hv_row * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
-        t += 1
-
-    if STORE_HT:
-        tl.store(ht + state_base + offs_s, S.to(ht.dtype.element_ty), mask=mask_s)
-
-
-# ---------------------------------------------------------------------------------------------
-# Launcher
-# ---------------------------------------------------------------------------------------------
-
-def check_kernel_layout(K: int, tensors: dict) -> None:
-    """The Triton kernels read dense tensors and keep K in registers: raise otherwise (no hidden copies)."""
-    if K > MAX_HEAD_DIM:
-        raise ValueError(f"the recurrent Triton kernels support K <= {MAX_HEAD_DIM}, got K={K}")
-    for name, t in tensors.items():
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous for the Triton kernels, got strides {tuple(t.stride())}")
-
-
-def launch_recurrent_forward(
-    q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel,
-    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
-    cu_seqlens, N, o=None, final_state=None, u=None, block_v: int = FWD_BLOCK_V, num_warps: int = FWD_NUM_WARPS,
-) -> None:
-    """Launch the forward kernel; writes ``o`` (v's dtype), ``final_state`` and/or ``u`` (fp32) when given."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), block_v)
-    grid = (N * HV, triton.cdiv(V, BV))
-    gate = gate_mode(use_gate_in_kernel, lower_bound)
-    dummy = q  # pointer for absent optional tensors; never dereferenced (constexpr flags)
-    _recurrent_fwd_kernel[grid](
-        q, k, v, g, beta,
-        A_log if A_log is not None else dummy,
-        dt_bias if dt_bias is not None else dummy,
-        initial_state if initial_state is not None else dummy,
-        o if o is not None else dummy,
-        final_state if final_state is not None else dummy,
-        u if u is not None else dummy,
-        cu_seqlens if cu_seqlens is not None else dummy,
-        float(scale), float(lower_bound) if lower_bound is not None else 0.0, T,
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        USE_H0=initial_state is not None, STORE_HT=final_state is not None,
-        STORE_O=o is not None, STORE_U=u is not None,
-        IS_VARLEN=cu_seqlens is not None, STATE_V_FIRST=state_v_first, L2NORM=use_qk_l2norm_in_kernel,
-        GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
-        BETA=beta_mode(use_beta_sigmoid_in_kernel, allow_neg_eigval),
-        num_warps=num_warps,
-    )
-
+# Public here: the op, and the names this module defined before the kernels moved out (re-exported).
+__all__ = [
+    "FusedRecurrentKDAFunction",
+    "fused_recurrent_kda",
+    "BETA_RAW",
+    "BETA_SIGMOID",
+    "BETA_SIGMOID_X2",
+    "DEFAULT_SEGMENT_TOKENS",
+    "FWD_BLOCK_V",
+    "FWD_NUM_WARPS",
+    "L2NORM_EPS",
+    "MAX_HEAD_DIM",
+    "SOFTPLUS_THRESHOLD",
+    "beta_mode",
+    "beta_value",
+    "check_kernel_layout",
+    "check_segment_tokens",
+    "gate_preactivation",
+    "launch_recurrent_forward",
+    "load_qk_token",
+    "load_token_raw",
+    "log_decay",
+    "qk_activation",
+    "softplus_fp32",
+]
 
 # ---------------------------------------------------------------------------------------------
 # Autograd
@@ -300,9 +103,6 @@ class FusedRecurrentKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, *rest):
-        # Imported here: recurrent_backward imports this module's per-token Triton functions.
-        from kdakit.ops.kda.recurrent_backward import run_recurrent_backward
-
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
         dht = rest[0] if rest else None
         grads = run_recurrent_backward(
@@ -410,9 +210,6 @@ def fused_recurrent_kda(
     if kwargs:
         raise TypeError(f"fused_recurrent_kda got unexpected keyword argument(s) {sorted(kwargs)}")
     if ssm_state_indices is not None or num_accepted_tokens is not None or inplace_final_state is not False:
-        # Imported here: decode imports this module's per-token Triton functions.
-        from kdakit.ops.kda.decode import fused_recurrent_kda_serving
-
         opts = dict(
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,

@@ -4,11 +4,13 @@ When a sequence is longer than ``segment_tokens`` (L), ``recurrent_backward.run_
 hands the call here. Segment s of every sequence is gathered into a packed buffer; the forward
 launcher, run segment by segment, writes the S - 1 boundary states as fp32 checkpoints; then the
 segments are walked last to first, each through the one-pass backward
-(``recurrent_backward.launch_recurrent_backward``) from its checkpoint with the carried state
+(``recurrent_backward_kernels.launch_recurrent_backward``) from its checkpoint with the carried state
 gradient as ``dht``; gradients are copied back and the gate-parameter gradients summed in fp32.
 No Triton kernel of its own. Memory (the formula is in ``recurrent_backward``'s docstring) grows
 with T only through the checkpoints. All buffers come from the ``Workspace``, so the path can be
 captured in a CUDA graph after an eager warm call with the same ``cu_seqlens`` values.
+
+Imports ``recurrent_forward`` and ``recurrent_backward_kernels``; imported by ``recurrent_backward``.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from typing import NamedTuple
 import torch
 import triton
 
-from kdakit.ops.kda.fused_recurrent import DEFAULT_SEGMENT_TOKENS, launch_recurrent_forward
-from kdakit.ops.kda.recurrent_backward import (
+from kdakit.ops.kda.recurrent_backward_kernels import (
     BWD_BLOCK_V,
     KDAGrads,
     grad_outputs,
     launch_recurrent_backward,
     scratch_shapes,
 )
+from kdakit.ops.kda.recurrent_forward import DEFAULT_SEGMENT_TOKENS, launch_recurrent_forward
 from kdakit.ops.kda.workspace import Workspace, is_capturing
 
 
