@@ -1,10 +1,12 @@
-"""The ``kdakit`` command line: ``demo`` (the main job), ``mem`` and ``serve-mem``."""
+"""The ``kdakit`` command line: ``demo`` (the main job), ``mem``, ``serve-mem`` and ``train-demo``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
+from pathlib import Path
 
 # `kdakit demo` warns before a float64 reference estimated to take longer than this (seconds).
 SLOW_DEMO_S = 30.0
@@ -87,6 +89,43 @@ def _cmd_demo(args) -> int:
     return 0 if result.ok else 1
 
 
+# `kdakit train-demo` runs this example script of the source tree (an editable install has it).
+TRAIN_TINY = Path(__file__).resolve().parent.parent / "examples" / "train_tiny.py"
+
+
+def _load_train_tiny():
+    """``(module, None)`` for examples/train_tiny.py, or ``(None, why not)`` (not a source checkout, or the
+    script fails to load: the other commands keep working)."""
+    if not TRAIN_TINY.is_file():
+        return None, (f"{TRAIN_TINY} is not here; train-demo runs the source tree's example (clone the repository "
+                      "and pip install -e .)")
+    try:
+        spec = importlib.util.spec_from_file_location("kdakit_examples_train_tiny", TRAIN_TINY)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        return None, f"{TRAIN_TINY} failed to load: {type(exc).__name__}: {exc}"
+    return module, None
+
+
+def _register_train_demo(sub) -> None:
+    help_ = "train a tiny KDA model on associative recall (examples/train_tiny.py; --device cuda: long context vs FLA)"
+    module, why = _load_train_tiny()
+    train = sub.add_parser("train-demo", help=help_, description=help_ if module else f"{help_}: unavailable: {why}")
+    if module is None:
+        def missing(args) -> int:
+            print(f"kdakit train-demo: error: {why}", file=sys.stderr)
+            return 2
+        train.set_defaults(func=missing)
+        return
+    module.add_arguments(train)
+
+    def run(args) -> int:
+        module.run(args)
+        return 0
+    train.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdakit", description="Kimi Delta Attention kernels and memory tools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -107,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_mem(sub)
     register_serve_mem(sub)
+    _register_train_demo(sub)
     return parser
 
 
