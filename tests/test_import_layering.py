@@ -40,20 +40,12 @@ RECURRENT = (
 # Import cycles elsewhere in the package, known and not yet removed: each a frozenset of the
 # modules of one strongly connected component, with the reason. A new cycle fails the test, and so
 # does an entry here that no longer is one (remove it then).
-KNOWN_CYCLES: dict[frozenset, str] = {
-    # chunk_kda hands cp_context calls to chunk_kda_cp, whose autograd forward calls chunk_kda per
-    # rank; both sides import inside a function. The chunk/distributed part of issue #11 item 3.
-    frozenset({"kdakit.ops.kda.chunk", "kdakit.distributed.cp"}): "chunk_kda <-> chunk_kda_cp",
-}
+KNOWN_CYCLES: dict[frozenset, str] = {}
 
 # Function-level kdakit imports outside the recurrent modules, known and left as they are:
 # (importing module, imported module). test_function_level_imports_listed fails on one not listed
-# (and on a listed one that is gone). Apart from the chunk <-> cp pair (KNOWN_CYCLES) they close no
-# cycle: the graph counts them. They defer loading a subcommand, backend or tool until it is used.
+# (and on a listed one that is gone). They close no cycle: the graph counts them. They defer loading a subcommand, backend or tool until it is used.
 KNOWN_FUNCTION_LEVEL: set[tuple[str, str]] = {
-    # the KNOWN_CYCLES pair
-    ("kdakit.ops.kda.chunk", "kdakit.distributed.cp"),
-    ("kdakit.distributed.cp", "kdakit.ops.kda.chunk"),
     # chunk_kda loads the Triton path only when the backend is Triton
     ("kdakit.ops.kda.chunk", "kdakit.ops.kda.chunk_triton"),
     # plan_kda's windowed-backward figures

@@ -59,6 +59,7 @@ class _Options:
     state_v_first: bool
     output_final_state: bool
     track: bool            # build the local graph (some input needs a gradient)
+    local_op: object       # the one-process chunk_kda (handed in by it: this module never imports it)
 
 
 def _pieces(cp: CPContext) -> list[_Piece]:
@@ -88,8 +89,7 @@ def _gather(t: torch.Tensor, cp: CPContext) -> list[torch.Tensor]:
 class _ChunkKDACP(torch.autograd.Function):
     @staticmethod
     def forward(fctx, opt: _Options, q, k, v, g, beta, A_log, dt_bias, h0):
-        from kdakit.ops.kda.chunk import chunk_kda
-
+        chunk_kda = opt.local_op
         cp = opt.cp
         HV, K, V = v.shape[2], q.shape[3], v.shape[3]
         dt = compute_dtype(q, k, v, g, beta)
@@ -243,9 +243,12 @@ class _ChunkKDACP(torch.autograd.Function):
         return (None, *out, dh0)
 
 
-def chunk_kda_cp(q, k, v, g, beta, *, cp_context, scale, initial_state, output_final_state, state_v_first,
+def chunk_kda_cp(q, k, v, g, beta, *, local_op, cp_context, scale, initial_state, output_final_state, state_v_first,
                  cu_seqlens, cu_seqlens_cpu, state_indices, use_gate_in_kernel, A_log, dt_bias, **op):
     """``chunk_kda(..., cp_context=ctx)`` (dispatched from ``kdakit.chunk_kda``; see its docstring).
+
+    ``local_op``: the one-process ``chunk_kda``, which each rank runs on its pieces; the public op passes
+    itself, so this module sits below it and imports nothing of the chunk stack.
 
     q, k, v, g, beta hold this rank's local tokens ``[1, T_local, ...]`` in ctx's buffer order.
     kdakit extension over FLA 0.6.0 (which refuses both): ``initial_state`` is the global
@@ -297,6 +300,7 @@ def chunk_kda_cp(q, k, v, g, beta, *, cp_context, scale, initial_state, output_f
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     track = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     op = dict(op, scale=scale, use_gate_in_kernel=use_gate_in_kernel, state_v_first=False)
-    opt = _Options(cp=cp, op=op, state_v_first=state_v_first, output_final_state=output_final_state, track=track)
+    opt = _Options(cp=cp, op=op, state_v_first=state_v_first, output_final_state=output_final_state, track=track,
+                   local_op=local_op)
     o, final = _ChunkKDACP.apply(opt, *inputs)
     return o, (final if output_final_state else None)

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from kdakit.distributed.cp import chunk_kda_cp
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.chunk_reference import chunked_kda_reference, chunked_kda_reference_states
 from kdakit.ops.kda.validate import check_state_pool, flat_gate_params, validate_kda_inputs
@@ -142,10 +143,8 @@ def chunk_kda(
     if return_intermediate_states and cp_context is not None:
         raise ValueError("return_intermediate_states does not combine with cp_context, got both")
     if cp_context is not None:
-        from kdakit.distributed.cp import chunk_kda_cp
-
         return chunk_kda_cp(
-            q, k, v, g, beta, cp_context=cp_context, scale=scale, initial_state=initial_state,
+            q, k, v, g, beta, local_op=chunk_kda, cp_context=cp_context, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu, state_indices=state_indices, use_gate_in_kernel=use_gate_in_kernel,
             A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
