@@ -86,8 +86,8 @@ def main():
              NEG_EIGVAL=False, IS_VARLEN=True, OP_BF16=True, EMULATE_BF16=False, DOT_PREC="tf32")
     only = a.only.split(",")
     if "prep" in only:
-        build(P.chunk_kda_prep64_kernel, dict(c, SUBC=16, BK=128, BV=128, BKS=16, SAFE=bool(a.safe),
-                                              FOR_BACKWARD=True), a.warps_prep)
+        build(P.chunk_kda_prep64_kernel, dict(c, SUBC=16, BK=128, BV=128, BKS=16, SAFE=bool(a.safe)),
+                                              a.warps_prep)
     if "states" in only:
         sc = {n: c[n] for n in ("K", "V", "C", "BETA_SIGMOID", "NEG_EIGVAL", "IS_VARLEN", "OP_BF16", "EMULATE_BF16",
                                 "DOT_PREC")}

@@ -34,8 +34,9 @@ def accuracy(gate: str, T_lens, H: int, seed: int = 0) -> dict:
     return {n: error_report(n, ref[n], got[n]).rms_ratio for n in got if n in ref}
 
 
-def timed(fn, reps=10):
-    for _ in range(2):
+def timed(fn, reps=10, warmup=2):
+    """Median CUDA-event time of ``fn`` in ms over ``reps`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     ts = []
@@ -48,6 +49,25 @@ def timed(fn, reps=10):
         ts.append(a.elapsed_time(b))
     ts.sort()
     return ts[len(ts) // 2]
+
+
+def kernel_times(fn, runs=3) -> dict:
+    """Per-kernel CUDA time of one call of ``fn`` (torch.profiler, mean of ``runs``): name -> {calls, ms},
+    slowest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    kern = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            kern.setdefault(e.name, [0, 0.0])
+            kern[e.name][0] += 1
+            kern[e.name][1] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
+    return {k: {"calls": c // runs, "ms": round(t / runs, 4)}
+            for k, (c, t) in sorted(kern.items(), key=lambda kv: -kv[1][1])}
 
 
 def perf(mbs, seq, heads) -> dict:
@@ -68,18 +88,7 @@ def perf(mbs, seq, heads) -> dict:
 
     t_f = timed(fwd)
     t_fb = timed(fwdbwd)
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            fwdbwd()
-        torch.cuda.synchronize()
-    kern = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            kern.setdefault(e.name, [0, 0.0])
-            kern[e.name][0] += 1
-            kern[e.name][1] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
-    kern = {k: {"calls": c // 3, "ms": round(t / 3, 4)} for k, (c, t) in sorted(kern.items(), key=lambda kv: -kv[1][1])}
+    kern = kernel_times(fwdbwd)
     return {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "kernels": kern}
 
 

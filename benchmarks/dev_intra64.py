@@ -19,6 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dev_chunk_gpu import kernel_times, timed  # noqa: E402
 from profile_chunk import protocol_inputs  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kdakit", "ops", "kda", "chunk_fwd64.py")
@@ -91,19 +92,7 @@ def main():
             def fn():
                 mod.run_intra(q, k, v, g, beta, A_log, dt_bias, cu, pairs, out, opts)
 
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(20):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                fn()
-                e1.record()
-                torch.cuda.synchronize()
-                ts.append(e0.elapsed_time(e1))
-            ts.sort()
-            res["variants"][name] = {"ms": ts[len(ts) // 2]}
+            res["variants"][name] = {"ms": timed(fn, reps=20, warmup=3)}
         except Exception as e:  # report and go on: one variant's failure must not hide the others
             res["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(name, res["variants"][name], f"({time.time() - t:.0f}s)", flush=True)
@@ -117,9 +106,7 @@ def main():
 
 
 def forward_times(x, A_log, dt_bias, cu) -> dict:
-    """chunk_kda without grad, median of 20 CUDA-event runs, per pipeline; per-kernel CUDA ms of chunk64's."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """chunk_kda without grad per pipeline: median of 20 CUDA-event runs and per-kernel CUDA ms."""
     from kdakit import chunk_kda
 
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
@@ -132,27 +119,8 @@ def forward_times(x, A_log, dt_bias, cu) -> dict:
             with torch.no_grad():
                 chunk_kda(**x, **kw)
 
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(20):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            torch.cuda.synchronize()
-            ts.append(e0.elapsed_time(e1))
-        ts.sort()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-        kern = {}
-        for e in prof.events():
-            if e.device_type.name == "CUDA":
-                kern[e.name] = kern.get(e.name, 0.0) + e.device_time_total / 3e3
-        out[pipe] = {"ms": ts[len(ts) // 2], "kernels_ms": {k: round(v, 4) for k, v in kern.items() if v > 0.005}}
+        out[pipe] = {"ms": timed(fn, reps=20, warmup=3),
+                     "kernels_ms": {n: r["ms"] for n, r in kernel_times(fn).items() if r["ms"] > 0.005}}
     del os.environ["KDAKIT_CHUNK_PIPELINE"]
     return out
 

@@ -161,8 +161,8 @@ def chunk_kda_bwd_states_kernel(
 
     if role == 0:
         state_recurrence(state_row(h0, i_n, i_hv, s_h0_n, s_h0_h, HAS_H0), s_h0_k, s_h0_v, c0, i_hv, seq_len, HV, v0,
-                         1.0, v_base, b_base, w_base, kd_base, tinv_base, egc, None, None, None, hs, K, V, C, BK, BV,
-                         BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC, False, True, HAS_H0, LOOP_WHILE)
+                         v_base, b_base, w_base, kd_base, tinv_base, egc, hs, K, V, C, BK, BV,
+                         BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC, HAS_H0, LOOP_WHILE)
     else:
         dS = tl.zeros([BK, BV], dtype=tl.float32)
         if HAS_DHT:

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import load_matrix, load_rows, round_to_bf16_if, store_matrix, store_rows
 from kdakit.ops.kda.chunk_prep64 import (
+    EXACT_KEY_SLICE,
     Chunk64Options,
     bias_row,
     chunk64_tables,
@@ -61,8 +62,9 @@ from kdakit.ops.kda.chunk_tiles import (
     dot_operand,
     load_beta,
     load_gate,
+    mm_exact,
     pairwise_diag_exact,
-    take_row,
+    pairwise_qk_kk_block,
 )
 
 # H200, 1x8K H96: the three stages fused in one kernel took 5.0 ms at 8 warps (5.5 at 4), the inverse 1.5 of it
@@ -74,80 +76,11 @@ INTRA_BLOCK_K = 64  # 32: 6.6 ms
 STATE_NUM_WARPS = 4  # H200, 1x8K H96: 0.67 ms at 4 warps, 0.98 at 8 (2 stages; 1.10 with 1 stage)
 STATE_BLOCK_V = 64
 STATE_NUM_STAGES = 2
-EXACT_KEY_SLICE = 16
 
 
 # ---------------------------------------------------------------------------------------
 # intra-chunk pieces
 # ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _block_rows(G, ROW: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr):
-    """``[C // SUBC, BK]``: row ROW of each sub-chunk of G ``[C, BK]``, all sub-chunks in one reduction."""
-    G3 = tl.reshape(G, (C // SUBC, SUBC, BK))
-    sub = tl.arange(0, SUBC)
-    return tl.sum(tl.where((sub == ROW)[None, :, None], G3, 0.0), axis=1)
-
-
-@triton.jit
-def _spread(R, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr):
-    """``[C, BK]`` whose row i holds row ``i // SUBC`` of R ``[C // SUBC, BK]``."""
-    return tl.reshape(tl.broadcast_to(R[:, None, :], (C // SUBC, SUBC, BK)), (C, BK))
-
-
-@triton.jit
-def pairwise_qk_kk_block(qn, kn, G, SAFE: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr,
-                         OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
-                         REFS_BY_RESHAPE: tl.constexpr):
-    """One key block's share of ``Aqk`` (causal, with the diagonal) and ``Akk`` (strictly causal) ``[C, C]``
-    from ``[C, BK]`` tiles: off-diagonal sub-chunk blocks for any gate (reference row ``G[SUBC*I - 1]``,
-    both factors <= 1), and with SAFE the diagonal blocks from a mid-sub-chunk reference (exponents within
-    +-40 at log-decay >= -5). Without SAFE the diagonal blocks are the caller's (exact path).
-
-    REFS_BY_RESHAPE: the reference rows of all sub-chunks from one reduction of G seen as
-    ``[C // SUBC, SUBC, BK]`` instead of one row extraction (a cross-warp reduction) per reference."""
-    rows = tl.arange(0, C)
-    blk = rows // SUBC
-    NB: tl.constexpr = C // SUBC
-    if REFS_BY_RESHAPE:
-        last = _block_rows(G, SUBC - 1, C, SUBC, BK)  # [NB, BK]: G at the last row of each sub-chunk
-        # row i: G at the last row before its sub-chunk (0 for the first sub-chunk)
-        bi = tl.arange(0, NB)
-        prev = tl.sum(tl.where((bi[:, None] == bi[None, :] + 1)[:, :, None], last[None, :, :], 0.0), axis=1)
-        ref = _spread(prev, C, SUBC, BK)
-    else:
-        ref = tl.zeros_like(G)
-        for I in tl.static_range(1, NB):
-            ref = tl.where((blk == I)[:, None], take_row(G, SUBC * I - 1, C)[None, :], ref)
-    fx = tl.exp(G - ref)  # [C, BK], <= 1: every row's own block reference
-    xq = dot_operand(qn * fx, OP_BF16, EMULATE_BF16)
-    xk = dot_operand(kn * fx, OP_BF16, EMULATE_BF16)
-    Aqk = tl.zeros([C, C], dtype=tl.float32)
-    Akk = tl.zeros([C, C], dtype=tl.float32)
-    for I in tl.static_range(1, NB):
-        r = take_row(ref, SUBC * I, C)  # [BK] = G[SUBC*I - 1]
-        before = (rows < SUBC * I)[:, None]
-        yT = tl.trans(dot_operand(tl.where(before, kn * tl.exp(tl.where(before, r[None, :] - G, 0.0)), 0.0),
-                                  OP_BF16, EMULATE_BF16))  # [BK, C], <= |k|
-        inI = (blk == I)[:, None]
-        Aqk += tl.where(inI, tl.dot(xq, yT, input_precision=DOT_PREC), 0.0)
-        Akk += tl.where(inI, tl.dot(xk, yT, input_precision=DOT_PREC), 0.0)
-    if SAFE:
-        if REFS_BY_RESHAPE:
-            mid = _spread(_block_rows(G, SUBC // 2 - 1, C, SUBC, BK), C, SUBC, BK)
-        else:
-            mid = tl.zeros_like(G)
-            for I in tl.static_range(NB):
-                mid = tl.where((blk == I)[:, None], take_row(G, SUBC * I + SUBC // 2 - 1, C)[None, :], mid)
-        ex = tl.exp(G - mid)
-        yT = tl.trans(dot_operand(kn * tl.exp(mid - G), OP_BF16, EMULATE_BF16))
-        same = blk[:, None] == blk[None, :]
-        Aqk += tl.where(same & (rows[:, None] >= rows[None, :]),
-                        tl.dot(dot_operand(qn * ex, OP_BF16, EMULATE_BF16), yT, input_precision=DOT_PREC), 0.0)
-        Akk += tl.where(same & (rows[:, None] > rows[None, :]),
-                        tl.dot(dot_operand(kn * ex, OP_BF16, EMULATE_BF16), yT, input_precision=DOT_PREC), 0.0)
-    return Aqk, Akk
 
 
 @triton.jit
@@ -161,11 +94,6 @@ def _load_block(base, I: tl.constexpr, J: tl.constexpr, C: tl.constexpr, SUBC: t
 def _store_block(base, X, I: tl.constexpr, J: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr):
     r = tl.arange(0, SUBC)
     tl.store(base + (SUBC * I + r)[:, None] * C + SUBC * J + r[None, :], X)
-
-
-@triton.jit
-def _mm(a, b):
-    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -208,12 +136,12 @@ def unit_lower_inverse_in_place(slot, C: tl.constexpr, SUBC: tl.constexpr):
     L30 = _load_block(slot, 3, 0, C, SUBC)
     L31 = _load_block(slot, 3, 1, C, SUBC)
     L32 = _load_block(slot, 3, 2, C, SUBC)
-    T10 = -_mm(T11, _mm(L10, T00))
-    T21 = -_mm(T22, _mm(L21, T11))
-    T32 = -_mm(T33, _mm(L32, T22))
-    T20 = -_mm(T22, _mm(L20, T00) + _mm(L21, T10))
-    T31 = -_mm(T33, _mm(L31, T11) + _mm(L32, T21))
-    T30 = -_mm(T33, _mm(L30, T00) + _mm(L31, T10) + _mm(L32, T20))
+    T10 = -mm_exact(T11, mm_exact(L10, T00))
+    T21 = -mm_exact(T22, mm_exact(L21, T11))
+    T32 = -mm_exact(T33, mm_exact(L32, T22))
+    T20 = -mm_exact(T22, mm_exact(L20, T00) + mm_exact(L21, T10))
+    T31 = -mm_exact(T33, mm_exact(L31, T11) + mm_exact(L32, T21))
+    T30 = -mm_exact(T33, mm_exact(L30, T00) + mm_exact(L31, T10) + mm_exact(L32, T20))
     tl.debug_barrier()  # every thread has read L before any block of it is overwritten
     _store_block(slot, T00, 0, 0, C, SUBC)
     _store_block(slot, T10, 1, 0, C, SUBC)

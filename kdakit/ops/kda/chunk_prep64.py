@@ -1,15 +1,15 @@
-"""The prep stage of the 64-token chunk pipeline (``KDAKIT_CHUNK_PIPELINE=chunk64``), shared by its forward
-(``chunk_fwd64.py``) and backward (``chunk_bwd64.py``): everything of a chunk that does not depend on the state.
+"""The backward's prep stage of the 64-token chunk pipeline (``KDAKIT_CHUNK_PIPELINE=chunk64``), and the pieces its
+forward (``chunk_fwd64.py``) shares (chunk location, options, the table): everything of a chunk that does not
+depend on the state.
 
 Per chunk of C = 64 tokens and value head (sub-chunk numerics in ``chunk_tiles.py``), with G the chunk cumsum
 of the log-decay, Γ = exp(G) and g_C = G at the last row::
 
     Akk, Aqk (pairwise, 16-token sub-chunks)    Tinv = (I + beta Akk)^-1 (by blocks, stored)
-    W = Tinv (beta k Γ)    kd = k exp(g_C - G)    exp(g_C)
-    forward:  qΓ                                backward: Akk and P = scale (qΓ^T dO - W^T Aqk^T dO)
+    W = Tinv (beta k Γ)    kd = k exp(g_C - G)    exp(g_C)    P = scale (qΓ^T dO - W^T Aqk^T dO)
 
 Stored in the token dtype (fp32 for fp32 inputs): Tinv, Aqk, Akk ``[B, T, HV, C]`` (row i of a chunk holds
-row i of the matrix), W, kd, qΓ ``[B, T, HV, K]``; exp(g_C) fp32 ``[chunks, HV, K]``; P into the chunk's
+row i of the matrix), W, kd ``[B, T, HV, K]``; exp(g_C) fp32 ``[chunks, HV, K]``; P into the chunk's
 state-gradient slot ``[chunks, HV, K, V]``. The serial passes then only load operands (on the H200 a
 step that loads them took 12 us, one that re-derived them 50 us).
 
@@ -45,8 +45,7 @@ from kdakit.ops.kda.chunk_tiles import (
     load_unit_rows,
     mm,
     pairwise_diag_exact,
-    pairwise_diag_safe,
-    pairwise_offdiag,
+    pairwise_qk_kk_block,
     store_unit_lower_inverse,
 )
 from kdakit.ops.kda.plan import host_to_device
@@ -109,20 +108,6 @@ def bias_row(dt_bias, i_hv, K, stride_bias, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def pairwise_chunk(x, y, G, x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x, stride_g, K, expA,
-              lower_bound, stride_bias, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
-              GATE: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, INCLUDE_DIAG: tl.constexpr,
-              OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    A = pairwise_offdiag(x, y, G, C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
-    if SAFE:
-        A += pairwise_diag_safe(x, y, G, C, SUBC, INCLUDE_DIAG, OP_BF16, EMULATE_BF16, DOT_PREC)
-    else:
-        A += pairwise_diag_exact(x_base, y_base, rx, ry, g_base, bias_ptr, t0, seq_len, stride_x, stride_g, K,
-                                 expA, lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, INCLUDE_DIAG)
-    return A
-
-
-@triton.jit
 def load_rows_t(base, t0, n_rows, stride_row, n_cols, BR: tl.constexpr, BC: tl.constexpr):
     """``x[t0 + r, c]`` loaded transposed as ``[BC, BR]`` fp32 (a transposed dot operand straight from
     memory, no register transpose). Rows ``>= n_rows`` and columns ``>= n_cols`` read as 0."""
@@ -146,19 +131,16 @@ def load_step_operands(w_base, kd_base, tinv_base, egc_row, t0, seq_len, HV, K,
 
 
 @triton.jit
-def state_step(S, i_c, c0, i_hv, seq_len, HV, v0, scale, v_base, b_base, w_base, kd_base, tinv_base, egc,
-               qg_base, aqk_base, o_base, hs,
+def state_step(S, i_c, c0, i_hv, seq_len, HV, v0, v_base, b_base, w_base, kd_base, tinv_base, egc, hs,
                K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, OP_BF16: tl.constexpr,
-               EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, WRITE_O: tl.constexpr,
-               STORE_STATE: tl.constexpr):
+               EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
     """One chunk of the state recurrence for value columns ``[v0, v0 + BV)`` from the prep stage's operands:
-    ``V' = Tinv (beta v) - W S``, ``S <- exp(g_C) S + kd^T V'``; with WRITE_O also ``o = scale (qΓ S + Aqk V')``
-    (the forward), with STORE_STATE the entering S into its slot of ``hs`` (the backward). Returns the new S."""
+    stores the entering S into its slot of ``hs``, then ``V' = Tinv (beta v) - W S``,
+    ``S <- exp(g_C) S + kd^T V'``. Returns the new S."""
     t0 = i_c * C
     row = (c0 + i_c) * HV + i_hv
-    if STORE_STATE:
-        store_matrix(hs + row * (K * V), round_to_bf16_if(S, EMULATE_BF16), V, 1, K, V, v0, BK, BV)
+    store_matrix(hs + row * (K * V), round_to_bf16_if(S, EMULATE_BF16), V, 1, K, V, v0, BK, BV)
     Ti = dot_operand(load_unit_lower(tinv_base, t0, seq_len, HV * C, C), OP_BF16, EMULATE_BF16)  # [C, C]
     W = dot_operand(load_rows(w_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
     kdT = dot_operand(load_rows_t(kd_base, t0, seq_len, HV * K, K, C, BK), OP_BF16, EMULATE_BF16)  # [BK, C]
@@ -169,13 +151,6 @@ def state_step(S, i_c, c0, i_hv, seq_len, HV, v0, scale, v_base, b_base, w_base,
     So = dot_operand(S, OP_BF16, EMULATE_BF16)
     vn = dot_operand(tl.dot(Ti, dot_operand(vt * bt[:, None], OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)
                      - tl.dot(W, So, input_precision=DOT_PREC), OP_BF16, EMULATE_BF16)  # V' [C, BV]
-    if WRITE_O:
-        rows = tl.arange(0, C)
-        Aqk = dot_operand(tl.where(rows[:, None] >= rows[None, :],
-                                   load_rows(aqk_base, t0, seq_len, HV * C, 0, C, C, C), 0.0), OP_BF16, EMULATE_BF16)
-        qg = dot_operand(load_rows(qg_base, t0, seq_len, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
-        ot = scale * (tl.dot(qg, So, input_precision=DOT_PREC) + tl.dot(Aqk, vn, input_precision=DOT_PREC))
-        store_rows(o_base, round_to_bf16_if(ot, EMULATE_BF16), t0, seq_len, HV * V, v0, V, C, BV)
     return S * egc_c[:, None] + tl.dot(kdT, vn, input_precision=DOT_PREC)  # [BK, BV]
 
 
@@ -190,13 +165,14 @@ def state_row(base, i_n, i_hv, s_n, s_h, PRESENT: tl.constexpr):
 
 
 @triton.jit
-def state_recurrence(h0_base, s_h0_k, s_h0_v, c0, i_hv, seq_len, HV, v0, scale, v_base, b_base, w_base, kd_base,
-                     tinv_base, egc, qg_base, aqk_base, o_base, hs,
+def state_recurrence(h0_base, s_h0_k, s_h0_v, c0, i_hv, seq_len, HV, v0, v_base, b_base, w_base, kd_base,
+                     tinv_base, egc, hs,
                      K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, OP_BF16: tl.constexpr,
-                     EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, WRITE_O: tl.constexpr,
-                     STORE_STATE: tl.constexpr, HAS_H0: tl.constexpr, LOOP_WHILE: tl.constexpr):
-    """Walk one sequence's chunks with state_step from h0 (or zeros); returns the final state ``[BK, BV]``."""
+                     EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, HAS_H0: tl.constexpr,
+                     LOOP_WHILE: tl.constexpr):
+    """Walk one sequence's chunks with state_step from h0 (or zeros), storing every chunk's entering state in
+    ``hs``; returns the final state ``[BK, BV]``."""
     S = tl.zeros([BK, BV], dtype=tl.float32)  # state columns [v0, v0 + BV), K-major
     if HAS_H0:
         S = load_matrix(h0_base, s_h0_k, s_h0_v, K, V, v0, BK, BV)
@@ -205,15 +181,13 @@ def state_recurrence(h0_base, s_h0_k, s_h0_v, c0, i_hv, seq_len, HV, v0, scale, 
         # The interpreter cannot take range() of a program-dependent bound; a while loop it can.
         i_c = 0
         while i_c < n_chunks:
-            S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, scale, v_base, b_base, w_base, kd_base, tinv_base, egc,
-                           qg_base, aqk_base, o_base, hs, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16,
-                           EMULATE_BF16, DOT_PREC, WRITE_O, STORE_STATE)
+            S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, v_base, b_base, w_base, kd_base, tinv_base, egc, hs,
+                           K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
             i_c += 1
     else:
         for i_c in range(0, n_chunks):
-            S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, scale, v_base, b_base, w_base, kd_base, tinv_base, egc,
-                           qg_base, aqk_base, o_base, hs, K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16,
-                           EMULATE_BF16, DOT_PREC, WRITE_O, STORE_STATE)
+            S = state_step(S, i_c, c0, i_hv, seq_len, HV, v0, v_base, b_base, w_base, kd_base, tinv_base, egc, hs,
+                           K, V, C, BK, BV, BETA_SIGMOID, NEG_EIGVAL, OP_BF16, EMULATE_BF16, DOT_PREC)
     return S
 
 
@@ -224,16 +198,15 @@ def state_recurrence(h0_base, s_h0_k, s_h0_v, c0, i_hv, seq_len, HV, v0, scale, 
 
 @triton.jit
 def chunk_kda_prep64_kernel(
-    q, k, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, qg, dhs, cu_seqlens, chunk_table,
+    q, k, g, beta, A_log, dt_bias, do, tinv, w, kd, egc, aqk, akk, dhs, cu_seqlens, chunk_table,
     scale, lower_bound, T, H, HV, NTS, stride_alog, stride_bias,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
     IS_VARLEN: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
-    FOR_BACKWARD: tl.constexpr,
 ):
-    """One (chunk, value head): the inverse, W, kd, exp(g_C), Aqk; for the backward also Akk and P (into the
-    chunk's state-gradient slot), for the forward qΓ."""
+    """One (chunk, value head): the inverse, W, kd, exp(g_C), Aqk, Akk and P (into the chunk's state-gradient
+    slot)."""
     i_t = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -250,20 +223,19 @@ def chunk_kda_prep64_kernel(
     G = tl.cumsum(a, axis=0)  # [C, BK]
     bt, _ = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
 
-    Akk = pairwise_chunk(kn, kn, G, k_base, k_base, rk, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
-                    lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, False,
-                    OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, C]
+    Aqk, Akk = pairwise_qk_kk_block(qn, kn, G, SAFE, C, SUBC, BK, OP_BF16, EMULATE_BF16, DOT_PREC, True)  # [C, C]
+    if not SAFE:
+        Aqk += pairwise_diag_exact(q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
+                                   lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, True)
+        Akk += pairwise_diag_exact(k_base, k_base, rk, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
+                                   lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, False)
     tinv_base = tinv + (bos * HV + i_hv) * C
     store_unit_lower_inverse(Akk * bt[:, None], tinv_base, t0, seq_len, HV * C, C, SUBC, EMULATE_BF16)
     tok_c = (bos * HV + i_hv) * C
-    if FOR_BACKWARD:
-        store_rows(akk + tok_c, round_to_bf16_if(Akk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
+    store_rows(akk + tok_c, round_to_bf16_if(Akk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
     tl.debug_barrier()  # the stored inverse is re-read below by other threads of this program
     Ti = load_unit_lower(tinv_base, t0, seq_len, HV * C, C)  # [C, C], as the later kernels see it
 
-    Aqk = pairwise_chunk(qn, kn, G, q_base, k_base, rq, rk, g_base, bias_ptr, t0, seq_len, H * K, HV * K, K, expA,
-                    lower_bound, stride_bias, C, SUBC, BK, BKS, GATE, HAS_BIAS, SAFE, True,
-                    OP_BF16, EMULATE_BF16, DOT_PREC)  # [C, C]
     store_rows(aqk + tok_c, round_to_bf16_if(Aqk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
     gam = tl.exp(G)
     W = round_to_bf16_if(mm(Ti, kn * gam * bt[:, None], OP_BF16, EMULATE_BF16, DOT_PREC), EMULATE_BF16)  # [C, BK]
@@ -274,14 +246,10 @@ def chunk_kda_prep64_kernel(
                C, BK)
     cols = tl.arange(0, BK)
     tl.store(egc + (i_t * HV + i_hv) * K + cols, tl.exp(gcs), mask=cols < K)
-    if FOR_BACKWARD:
-        sdo = scale * load_rows(do + (bos * HV + i_hv) * V, t0, seq_len, HV * V, 0, V, C, BV)  # [C, BV]
-        P = mm(tl.trans(qn * gam), sdo, OP_BF16, EMULATE_BF16, DOT_PREC) \
-            - mm(tl.trans(W), mm(tl.trans(Aqk), sdo, OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16,
-                 DOT_PREC)
-        store_matrix(dhs + (i_t * HV + i_hv) * (K * V), round_to_bf16_if(P, EMULATE_BF16), V, 1, K, V, 0, BK, BV)
-    else:
-        store_rows(qg + tok_k, round_to_bf16_if(qn * gam, EMULATE_BF16), t0, seq_len, HV * K, 0, K, C, BK)
+    sdo = scale * load_rows(do + (bos * HV + i_hv) * V, t0, seq_len, HV * V, 0, V, C, BV)  # [C, BV]
+    P = mm(tl.trans(qn * gam), sdo, OP_BF16, EMULATE_BF16, DOT_PREC) \
+        - mm(tl.trans(W), mm(tl.trans(Aqk), sdo, OP_BF16, EMULATE_BF16, DOT_PREC), OP_BF16, EMULATE_BF16, DOT_PREC)
+    store_matrix(dhs + (i_t * HV + i_hv) * (K * V), round_to_bf16_if(P, EMULATE_BF16), V, 1, K, V, 0, BK, BV)
 
 
 # ---------------------------------------------------------------------------------------
@@ -396,26 +364,21 @@ def chunk64_tables(o: Chunk64Options, seqlens, device):
     return pairs, firsts
 
 
-def run_prep(q, k, g, beta, A_log, dt_bias, cu_seqlens, pairs, o: Chunk64Options, *, do=None, dhs=None) -> dict:
-    """Allocate the prep stage's outputs and run it. With ``do`` (backward) it also writes Akk and P (into
-    ``dhs``), without it (forward) qΓ. Returns name -> tensor."""
+def run_prep(q, k, g, beta, A_log, dt_bias, cu_seqlens, pairs, o: Chunk64Options, *, do, dhs) -> dict:
+    """Allocate the backward prep stage's outputs and run it (P into ``dhs``). Returns name -> tensor."""
     dev, C = q.device, CHUNK
     out = dict(tinv=torch.empty((o.B, o.T, o.HV, C), dtype=o.slot_dtype, device=dev),
                aqk=torch.empty((o.B, o.T, o.HV, C), dtype=o.slot_dtype, device=dev),
+               akk=torch.empty((o.B, o.T, o.HV, C), dtype=o.slot_dtype, device=dev),
                w=torch.empty((o.B, o.T, o.HV, o.K), dtype=o.slot_dtype, device=dev),
                kd=torch.empty((o.B, o.T, o.HV, o.K), dtype=o.slot_dtype, device=dev),
                egc=torch.empty((o.NT, o.HV, o.K), dtype=torch.float32, device=dev))
-    backward = do is not None
-    if backward:
-        out["akk"] = torch.empty((o.B, o.T, o.HV, C), dtype=o.slot_dtype, device=dev)
-    else:
-        out["qg"] = torch.empty((o.B, o.T, o.HV, o.K), dtype=o.slot_dtype, device=dev)
     if o.NT * o.HV > 0:
         chunk_kda_prep64_kernel[(o.NT, o.HV)](
             q, k, g, beta, A_log, dt_bias, do, out["tinv"], out["w"], out["kd"], out["egc"], out["aqk"],
-            out.get("akk"), out.get("qg"), dhs, cu_seqlens, pairs,
+            out["akk"], dhs, cu_seqlens, pairs,
             o.scale, o.lower_bound, o.T, o.H, o.HV, o.NTS, o.stride_alog, o.stride_bias,
             K=o.K, V=o.V, C=C, SUBC=SUB, BK=o.BK, BV=o.BV, BKS=min(EXACT_KEY_SLICE, o.BK), SAFE=o.safe,
-            FOR_BACKWARD=backward, **o.constexprs, num_warps=PREP_NUM_WARPS, num_stages=1,
+            **o.constexprs, num_warps=PREP_NUM_WARPS, num_stages=1,
         )
     return out

@@ -248,6 +248,18 @@ def _initial_state(h0, N, HV, K, V, dt, device, state_v_first):
     return S.to(dt)
 
 
+def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+             lower_bound, state_v_first, output_final_state, chunk_size, checkpoint_every_n_tokens) -> ReferenceOptions:
+    """The reference's options; the checkpoint segment rounded up to whole chunks."""
+    C = chunk_size or DEFAULT_CHUNK_SIZE
+    seg = checkpoint_every_n_tokens or DEFAULT_CHECKPOINT_TOKENS
+    return ReferenceOptions(
+        scale=float(scale), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, state_v_first=state_v_first, output_final_state=output_final_state, chunk_size=C,
+        checkpoint_every_n_tokens=max(C, -(-seg // C) * C))
+
+
 def chunked_kda_reference(
     q, k, v, g, beta, *,
     scale: float,
@@ -270,21 +282,8 @@ def chunked_kda_reference(
     Returns ``(o [B, T, HV, V] in v's dtype, final_state or None)``. The final state is
     in the compute dtype (float32, or float64 for float64 inputs).
     """
-    C = chunk_size or DEFAULT_CHUNK_SIZE
-    seg = checkpoint_every_n_tokens or DEFAULT_CHECKPOINT_TOKENS
-    seg = max(C, -(-seg // C) * C)
-    opts = ReferenceOptions(
-        scale=float(scale),
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound,
-        state_v_first=state_v_first,
-        output_final_state=output_final_state,
-        chunk_size=C,
-        checkpoint_every_n_tokens=seg,
-    )
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                    lower_bound, state_v_first, output_final_state, chunk_size, checkpoint_every_n_tokens)
     return ChunkedKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
 
 
@@ -302,12 +301,8 @@ def chunked_kda_reference_states(q, k, v, g, beta, *, scale: float, A_log=None, 
     h the state entering every 64-token chunk of every sequence, ``[B, NT, HV, K, V]`` (``[.., V, K]`` with
     state_v_first) in k's dtype; NT chunks per sequence (B = 1 and NT over all sequences when packed).
     ``checkpoint_every_n_tokens`` is ignored: the segments are the 64-token chunks."""
-    C = chunk_size or DEFAULT_CHUNK_SIZE
-    opts = ReferenceOptions(
-        scale=float(scale), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound, state_v_first=state_v_first, output_final_state=output_final_state, chunk_size=C,
-        checkpoint_every_n_tokens=INTERMEDIATE_STATE_TOKENS)
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                    lower_bound, state_v_first, output_final_state, chunk_size, INTERMEDIATE_STATE_TOKENS)
     o, S, ckpts = _forward_segments(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
     B, T = q.shape[:2]
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]

@@ -91,35 +91,71 @@ def _mid_reference(G, C: tl.constexpr, SUBC: tl.constexpr):
 
 
 @triton.jit
-def pairwise_offdiag(x, y, G, C: tl.constexpr, SUBC: tl.constexpr,
-                     OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The off-diagonal sub-chunk blocks of ``A[i, j] = sum_c x_i y_j exp(G_i - G_j)`` (j's sub-chunk
-    before i's), any gate. x, y, G ``[C, BK]`` -> ``[C, C]`` (zero elsewhere)."""
-    rows = tl.arange(0, C)
-    A = tl.zeros([C, C], dtype=tl.float32)
-    for I in tl.static_range(1, C // SUBC):
-        r = take_row(G, SUBC * I - 1, C)  # [BK]
-        inI = (rows // SUBC == I)[:, None]
-        before = (rows < SUBC * I)[:, None]
-        xe = tl.where(inI, x * tl.exp(tl.where(inI, G - r[None, :], 0.0)), 0.0)  # [C, BK], <= |x|
-        ye = tl.where(before, y * tl.exp(tl.where(before, r[None, :] - G, 0.0)), 0.0)  # [C, BK], <= |y|
-        A += mm(xe, tl.trans(ye), OP_BF16, EMULATE_BF16, DOT_PREC)
-    return A
+def _block_rows(G, ROW: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr):
+    """``[C // SUBC, BK]``: row ROW of each sub-chunk of G ``[C, BK]``, all sub-chunks in one reduction."""
+    G3 = tl.reshape(G, (C // SUBC, SUBC, BK))
+    sub = tl.arange(0, SUBC)
+    return tl.sum(tl.where((sub == ROW)[None, :, None], G3, 0.0), axis=1)
 
 
 @triton.jit
-def pairwise_diag_safe(x, y, G, C: tl.constexpr, SUBC: tl.constexpr, INCLUDE_DIAG: tl.constexpr,
-                       OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Diagonal sub-chunk blocks (causal within each) for a bounded gate (a >= -5). -> ``[C, C]``."""
+def _spread(R, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr):
+    """``[C, BK]`` whose row i holds row ``i // SUBC`` of R ``[C // SUBC, BK]``."""
+    return tl.reshape(tl.broadcast_to(R[:, None, :], (C // SUBC, SUBC, BK)), (C, BK))
+
+
+@triton.jit
+def pairwise_qk_kk_block(qn, kn, G, SAFE: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr,
+                         OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+                         REFS_BY_RESHAPE: tl.constexpr):
+    """One key block's share of ``Aqk`` (causal, with the diagonal) and ``Akk`` (strictly causal) ``[C, C]``
+    from ``[C, BK]`` tiles: off-diagonal sub-chunk blocks for any gate (reference row ``G[SUBC*I - 1]``,
+    both factors <= 1), and with SAFE the diagonal blocks from a mid-sub-chunk reference (exponents within
+    +-40 at log-decay >= -5). Without SAFE the diagonal blocks are the caller's (exact path).
+
+    REFS_BY_RESHAPE: the reference rows of all sub-chunks from one reduction of G seen as
+    ``[C // SUBC, SUBC, BK]`` instead of one row extraction (a cross-warp reduction) per reference."""
     rows = tl.arange(0, C)
-    ref = _mid_reference(G, C, SUBC)
-    A = mm(x * tl.exp(G - ref), tl.trans(y * tl.exp(ref - G)), OP_BF16, EMULATE_BF16, DOT_PREC)
-    same = (rows[:, None] // SUBC) == (rows[None, :] // SUBC)
-    if INCLUDE_DIAG:
-        causal = rows[:, None] >= rows[None, :]
+    blk = rows // SUBC
+    NB: tl.constexpr = C // SUBC
+    if REFS_BY_RESHAPE:
+        last = _block_rows(G, SUBC - 1, C, SUBC, BK)  # [NB, BK]: G at the last row of each sub-chunk
+        # row i: G at the last row before its sub-chunk (0 for the first sub-chunk)
+        bi = tl.arange(0, NB)
+        prev = tl.sum(tl.where((bi[:, None] == bi[None, :] + 1)[:, :, None], last[None, :, :], 0.0), axis=1)
+        ref = _spread(prev, C, SUBC, BK)
     else:
-        causal = rows[:, None] > rows[None, :]
-    return tl.where(same & causal, A, 0.0)  # replaced, not multiplied: cross-block garbage cannot leak
+        ref = tl.zeros_like(G)
+        for I in tl.static_range(1, NB):
+            ref = tl.where((blk == I)[:, None], take_row(G, SUBC * I - 1, C)[None, :], ref)
+    fx = tl.exp(G - ref)  # [C, BK], <= 1: every row's own block reference
+    xq = dot_operand(qn * fx, OP_BF16, EMULATE_BF16)
+    xk = dot_operand(kn * fx, OP_BF16, EMULATE_BF16)
+    Aqk = tl.zeros([C, C], dtype=tl.float32)
+    Akk = tl.zeros([C, C], dtype=tl.float32)
+    for I in tl.static_range(1, NB):
+        r = take_row(ref, SUBC * I, C)  # [BK] = G[SUBC*I - 1]
+        before = (rows < SUBC * I)[:, None]
+        yT = tl.trans(dot_operand(tl.where(before, kn * tl.exp(tl.where(before, r[None, :] - G, 0.0)), 0.0),
+                                  OP_BF16, EMULATE_BF16))  # [BK, C], <= |k|
+        inI = (blk == I)[:, None]
+        Aqk += tl.where(inI, tl.dot(xq, yT, input_precision=DOT_PREC), 0.0)
+        Akk += tl.where(inI, tl.dot(xk, yT, input_precision=DOT_PREC), 0.0)
+    if SAFE:
+        if REFS_BY_RESHAPE:
+            mid = _spread(_block_rows(G, SUBC // 2 - 1, C, SUBC, BK), C, SUBC, BK)
+        else:
+            mid = tl.zeros_like(G)
+            for I in tl.static_range(NB):
+                mid = tl.where((blk == I)[:, None], take_row(G, SUBC * I + SUBC // 2 - 1, C)[None, :], mid)
+        ex = tl.exp(G - mid)
+        yT = tl.trans(dot_operand(kn * tl.exp(mid - G), OP_BF16, EMULATE_BF16))
+        same = blk[:, None] == blk[None, :]
+        Aqk += tl.where(same & (rows[:, None] >= rows[None, :]),
+                        tl.dot(dot_operand(qn * ex, OP_BF16, EMULATE_BF16), yT, input_precision=DOT_PREC), 0.0)
+        Akk += tl.where(same & (rows[:, None] > rows[None, :]),
+                        tl.dot(dot_operand(kn * ex, OP_BF16, EMULATE_BF16), yT, input_precision=DOT_PREC), 0.0)
+    return Aqk, Akk
 
 
 @triton.jit
@@ -395,7 +431,8 @@ def _unit_lower_inverse_batched(A3, NB: tl.constexpr, SUBC: tl.constexpr):
 
 
 @triton.jit
-def _mm32(a, b):
+def mm_exact(a, b):
+    """``a @ b`` in exact fp32 (the inverse's block products)."""
     return tl.dot(a, b, input_precision="ieee")
 
 
@@ -421,12 +458,12 @@ def store_unit_lower_inverse(A, out_base, t0, n_rows, stride_row, C: tl.constexp
     A31 = _block(M4, 3, 1, NB)
     A32 = _block(M4, 3, 2, NB)
     # T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ
-    T10 = -_mm32(T11, _mm32(A10, T00))
-    T21 = -_mm32(T22, _mm32(A21, T11))
-    T32 = -_mm32(T33, _mm32(A32, T22))
-    T20 = -_mm32(T22, _mm32(A20, T00) + _mm32(A21, T10))
-    T31 = -_mm32(T33, _mm32(A31, T11) + _mm32(A32, T21))
-    T30 = -_mm32(T33, _mm32(A30, T00) + _mm32(A31, T10) + _mm32(A32, T20))
+    T10 = -mm_exact(T11, mm_exact(A10, T00))
+    T21 = -mm_exact(T22, mm_exact(A21, T11))
+    T32 = -mm_exact(T33, mm_exact(A32, T22))
+    T20 = -mm_exact(T22, mm_exact(A20, T00) + mm_exact(A21, T10))
+    T31 = -mm_exact(T33, mm_exact(A31, T11) + mm_exact(A32, T21))
+    T30 = -mm_exact(T33, mm_exact(A30, T00) + mm_exact(A31, T10) + mm_exact(A32, T20))
     _store_block(out_base, T00, t0, 0, 0, n_rows, stride_row, SUBC, EMULATE_BF16)
     _store_block(out_base, T10, t0, 1, 0, n_rows, stride_row, SUBC, EMULATE_BF16)
     _store_block(out_base, T11, t0, 1, 1, n_rows, stride_row, SUBC, EMULATE_BF16)

@@ -30,10 +30,7 @@ class ChunkKDATritonFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, seqlens, scale, output_final_state,
                 checkpoint_every_n_tokens, flags: dict):
         # seqlens: cu_seqlens's lengths as validation read them (no second device read here).
-        plan = plan_kda(q, v, seqlens=seqlens, checkpoint_every_n_tokens=checkpoint_every_n_tokens,
-                        initial_state=initial_state is not None,
-                        initial_state_dtype=initial_state.dtype if initial_state is not None else torch.float32,
-                        output_final_state=output_final_state, gate_params=A_log is not None)
+        plan = _plan(q, v, A_log, initial_state, seqlens, output_final_state, checkpoint_every_n_tokens, torch.float32)
         ctx.opts64 = None
         if requested_chunk_pipeline() == "chunk64":
             ctx.opts64 = chunk64_options(
@@ -88,6 +85,15 @@ def chunk_kda_triton(q, k, v, g, beta, *, scale, A_log, dt_bias, initial_state, 
                                         dict(flags))
 
 
+def _plan(q, v, A_log, initial_state, seqlens, output_final_state, checkpoint_every_n_tokens, checkpoint_dtype):
+    """plan_kda of one call (memoized there), from the lengths validation read (no device read here)."""
+    return plan_kda(q, v, seqlens=seqlens, checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+                    initial_state=initial_state is not None,
+                    initial_state_dtype=initial_state.dtype if initial_state is not None else torch.float32,
+                    output_final_state=output_final_state, gate_params=A_log is not None,
+                    checkpoint_dtype=checkpoint_dtype)
+
+
 def _checked(q, k, v, g, beta, cu_seqlens, seqlens, flags) -> tuple | None:
     """What the Triton kernels need beyond validation; returns the host lengths of packed sequences."""
     if cu_seqlens is None:
@@ -114,10 +120,7 @@ def chunk_kda_triton_states(q, k, v, g, beta, *, scale, A_log, dt_bias, initial_
     (``[.., V, K]`` with state_v_first), B = 1 and NT over all sequences when packed (FLA's h)."""
     del checkpoint_every_n_tokens  # the cadence is h's, 64 tokens
     seqlens = _checked(q, k, v, g, beta, cu_seqlens, seqlens, flags)
-    plan = plan_kda(q, v, seqlens=seqlens, checkpoint_every_n_tokens=INTERMEDIATE_STATE_TOKENS,
-                    initial_state=initial_state is not None,
-                    initial_state_dtype=initial_state.dtype if initial_state is not None else torch.float32,
-                    output_final_state=output_final_state, gate_params=A_log is not None, checkpoint_dtype=k.dtype)
+    plan = _plan(q, v, A_log, initial_state, seqlens, output_final_state, INTERMEDIATE_STATE_TOKENS, k.dtype)
     o, final, h = chunk_kda_fwd(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
                                 initial_state=initial_state, output_final_state=output_final_state,
                                 cu_seqlens=cu_seqlens, plan=plan, checkpoint_dtype=k.dtype,
