@@ -171,16 +171,20 @@ def test_cuda_graph_forward_and_backward_capture_and_replay():
         assert torch.equal(a, b)
 
 
-def test_capture_without_warm_call_raises():
+def test_backward_capture_without_warm_call_raises():
+    """The backward needs scratch: capturing it with a workspace no eager call sized raises. (The
+    forward needs none and captures without a warm call: tests/gpu/test_graph_capture_gpu.py.)"""
     t, kw = _inputs(9, B=1, T=4, H=2, K=64, V=64, gate="safe", initial_state="vk")
-    o_buf = torch.empty_like(t["v"])
-    ht_buf = torch.empty(1, 2, 64, 64, device=DEV)
+    do, dht = _cotangents(10, t, kw, 1)
+    pos, named = _bwd_args(t, kw, do, dht)
+    grads_out = [torch.empty_like(t[n]) for n in NAMES]
+    _call_fwd(t, kw)  # compiles the forward kernel outside the capture
+    torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="eager call"):
         with torch.cuda.graph(graph, stream=stream):
-            with torch.no_grad():
-                _call_fwd(t, kw, out=o_buf, final_state_out=ht_buf, workspace=Workspace(DEV))
+            recurrent_kda_backward(*pos, **named, workspace=Workspace(DEV), out=grads_out)
 
 
 # --- segmented backward (sequences longer than segment_tokens) ------------------------------

@@ -8,7 +8,9 @@ PyTorch reference (CPU tensors, or ``KDAKIT_BACKEND=torch``). See
 Host synchronization: a fixed-length call (``cu_seqlens=None``) reads no device tensor's
 values on the host, and neither does a packed call given ``cu_seqlens_cpu``; a packed call
 without it reads ``cu_seqlens`` once (in validation). ``state_indices`` is read once to check
-its range against the pool (one device->host copy per call on that path).
+its range against the pool (one device->host copy per call on that path) unless
+``check_indices=False`` or a CUDA graph is being captured; the pool's gather and scatter run on
+the device (``state_pool.py``), so such a call captures in a plain ``torch.cuda.graph``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 from kdakit.distributed.cp import chunk_kda_cp
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.chunk_reference import chunked_kda_reference, chunked_kda_reference_states
+from kdakit.ops.kda.state_pool import gather_pool_rows, scatter_pool_rows, zero_padded_outputs
 from kdakit.ops.kda.validate import check_state_pool, flat_gate_params, validate_kda_inputs
+from kdakit.ops.kda.workspace import check_capturable_offsets, is_capturing
 
 # FLA 0.6.0 options kdakit does not implement; each raises if set to a non-default value.
 _UNSUPPORTED_FLA_OPTIONS = {
@@ -60,6 +64,7 @@ def chunk_kda(
     checkpoint_every_n_tokens: int | None = None,
     state_indices: torch.Tensor | None = None,
     transpose_state_layout: bool | None = None,
+    check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Kimi Delta Attention, chunked, with FLA 0.6.0's arguments and semantics.
 
@@ -114,6 +119,11 @@ def chunk_kda(
             pool untouched), as in ``kdakit.kda_decode``. Prefill and decode share one pool
             when ``state_v_first=True`` (decode's ``[P, HV, V, K]`` layout). The pool itself
             is not differentiated.
+        check_indices: with ``state_indices``, read them to the host once to check their range and
+            that rows are distinct (a device->host copy). Skipped while a CUDA graph is being
+            captured; pass False in a serving loop that guarantees them, for a call without any
+            synchronization. Unchecked, an index outside ``[-1, P)`` is an indexing error on the
+            device.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (float64
@@ -152,7 +162,12 @@ def chunk_kda(
             safe_gate=safe_gate, lower_bound=lower_bound, chunk_size=chunk_size,
             checkpoint_every_n_tokens=checkpoint_every_n_tokens)
 
-    pool = padded = None
+    if not isinstance(check_indices, bool):
+        raise TypeError(f"check_indices must be a bool, got {type(check_indices).__name__}")
+    capturing = is_capturing(q.device) if isinstance(q, torch.Tensor) else False
+    if capturing:
+        check_capturable_offsets("chunk_kda", cu_seqlens, cu_seqlens_cpu)
+    pool = host = valid = None
     if state_indices is not None:
         pool, initial_state = initial_state, None
 
@@ -165,9 +180,9 @@ def chunk_kda(
     )
     A_log, dt_bias = flat_gate_params(A_log, dt_bias)  # engine shapes -> the [HV] / [HV * K] views the kernels read
     if state_indices is not None:  # check_state_pool refuses a missing pool too
-        host = check_state_pool(pool, state_indices, shape, state_v_first=state_v_first, device=q.device)
-        initial_state, padded = _gather_pool(pool, state_indices, host)
-    padding = _padding_masks(padded, shape, state_indices, v) if padded else None
+        host = check_state_pool(pool, state_indices, shape, state_v_first=state_v_first, device=q.device,
+                                check_values=check_indices and not capturing)
+        initial_state, valid = gather_pool_rows(pool, state_indices, host)
     if scale is None:
         scale = shape.K ** -0.5
     if not use_gate_in_kernel:
@@ -205,53 +220,12 @@ def chunk_kda(
         else:
             o, final = chunked_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
     if pool is not None:
-        _scatter_pool(pool, final, state_indices, padding)
-        if padding is not None:
-            o = o * padding[1]  # padded sequences give zero output, as in kda_decode
+        scatter_pool_rows(pool, final, state_indices, valid, host)
+        # padded sequences give zero output, as in kda_decode; the offsets on o's device (the host
+        # copy on the CPU), so that building the token mask reads nothing back either
+        on_device = cu_seqlens_cpu if cu_seqlens_cpu is not None and cu_seqlens_cpu.device == o.device else cu_seqlens
+        o = zero_padded_outputs(o, valid, host, on_device)
     if return_intermediate_states:
         return o, (final if output_final_state else None), h
     return o, (final if output_final_state else None)
 
-
-def _padding_masks(padded, shape, state_indices, v):
-    """For padded sequences (``padded``: their positions, read on the host with the index check):
-    (the positions of the others, long ``[N - len(padded)]`` on the indices' device; a 0/1 token
-    mask in v's dtype on v's device, ``[N, 1, 1, 1]`` or ``[1, T, 1, 1]`` for packed sequences).
-
-    Built from host values only (``shape.seqlens``, never ``cu_seqlens``) and copied to the device
-    right after that read and before the kernels are queued, so these (blocking) copies wait on no
-    kernel, and nothing after the kernels reads or copies anything."""
-    pad = set(padded)
-    kept = torch.tensor([n for n in range(shape.N) if n not in pad], dtype=torch.long)
-    keep = torch.ones(shape.N, dtype=v.dtype)
-    keep[list(padded)] = 0
-    if shape.seqlens is None:
-        mask = keep.view(-1, 1, 1, 1)
-    else:
-        per_token = torch.repeat_interleave(keep, torch.tensor(shape.seqlens, dtype=torch.long), output_size=shape.T)
-        mask = per_token.view(1, -1, 1, 1)
-    return kept.to(state_indices.device), mask.to(v.device)
-
-
-def _gather_pool(pool, state_indices, host):
-    """Sequence n's initial state from pool row ``host[n]`` (zeros where -1); ``host``: the indices
-    as ``check_state_pool`` read them, so nothing here reads them again."""
-    idx = state_indices.long()
-    padded = tuple(n for n, i in enumerate(host) if i < 0)
-    rows = pool[idx.clamp(min=0)]
-    if padded:
-        rows = torch.where((idx >= 0)[:, None, None, None], rows, torch.zeros((), dtype=pool.dtype, device=pool.device))
-    return rows, padded
-
-
-@torch.no_grad()
-def _scatter_pool(pool, final, state_indices, padding):
-    """Final states into their pool rows, padded sequences skipped (``padding``: see
-    ``_padding_masks``). Indexing by prebuilt positions rather than a device boolean mask keeps
-    this free of host synchronization."""
-    idx = state_indices.long()
-    final = final.detach().to(pool.dtype)
-    if padding is not None:
-        kept = padding[0]
-        idx, final = idx[kept], final[kept]
-    pool[idx] = final

@@ -57,10 +57,10 @@ from kdakit.ops.kda.validate import STATE_DTYPES, flat_gate_params, validate_kda
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
+    check_capturable_offsets,
     check_out,
-    check_prepared_for_capture,
+    forward_workspace,
     is_capturing,
-    resolve_workspace,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -333,6 +333,7 @@ def kda_decode(
     out: torch.Tensor | None = None,
     check_indices: bool = True,
     workspace: Workspace | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""One KDA decode step over a state pool; the pool is updated in place (see the module docstring).
 
@@ -349,15 +350,20 @@ def kda_decode(
             A_log may also be ``[HV, 1]`` or ``[1, 1, HV, 1]`` and dt_bias ``[HV, K]`` (dense; read
             through a flat view).
         cu_seqlens: int ``[N + 1]`` offsets when sequences carry different token counts.
+        cu_seqlens_cpu: the same offsets in a CPU tensor (as ``chunk_kda``): validation reads
+            this host copy and never ``cu_seqlens``, so with ``check_indices=False`` (or during
+            capture) the call makes no device->host synchronization.
         num_accepted_tokens: int32 ``[N]`` with ``[N, S]`` indices: read column
             ``num_accepted_tokens[n] - 1``.
         out: preallocated output ``[B, T, HV, V]`` in v's dtype.
         check_indices: check index values on the host (a device sync): range ``[-1, P)``,
             rows disjoint across sequences, ``num_accepted_tokens`` in ``[1, S]``. Skipped
-            during CUDA-graph capture (the warm call checks); pass False in a serving loop
-            that guarantees them. Unchecked out-of-range rows are treated as padded.
+            during CUDA-graph capture (the warm-up iterations check); pass False in a serving
+            loop that guarantees them. Unchecked out-of-range rows are treated as padded.
         workspace: ``kdakit.Workspace`` recording prepared calls for CUDA graphs (default:
-            the stream-local one).
+            the stream-local one). Not needed to capture: the step uses no scratch, so it
+            captures in a plain ``torch.cuda.graph`` like any PyTorch op (``out`` optional,
+            see ``kdakit/ops/kda/workspace.py``).
 
     Returns:
         o ``[B, T, HV, V]`` in v's dtype (zeros for padded sequences).
@@ -368,14 +374,17 @@ def kda_decode(
                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                 lower_bound=lower_bound)
     ws, prepared, signature = None, False, None
+    capturing = is_capturing(device)
     if backend == "triton":
-        ws = resolve_workspace(workspace, device)
+        ws = forward_workspace(workspace, device)
         signature = call_signature("kda_decode", q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias,
                                    cu_seqlens, num_accepted_tokens, out, scale, safe_gate, check_indices,
                                    tuple(sorted(opts.items())))
-        prepared = check_prepared_for_capture(ws, signature, "kda_decode")
-        if prepared and out is None:
-            raise RuntimeError("capturing kda_decode in a CUDA graph needs out= so that the capture allocates nothing")
+        # a call an eager warm-up prepared on this stream skips validation; any other capture validates
+        # from metadata and host copies only
+        prepared = capturing and ws is not None and ws.is_prepared(signature)
+    if capturing and not prepared:
+        check_capturable_offsets("kda_decode", cu_seqlens, cu_seqlens_cpu)
     if prepared:
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         K = q.shape[3]
@@ -384,12 +393,12 @@ def kda_decode(
             q, k, v, g, beta, scale=scale, initial_state=None, use_gate_in_kernel=use_gate_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias, state_v_first=True,
-            cu_seqlens=cu_seqlens, engine_gate_shapes=True,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, engine_gate_shapes=True,
         )
         N, K = shape.N, shape.K
         _check_pool(state_pool, state_indices, num_accepted_tokens, shape, cu_seqlens, device)
-        if check_indices and not is_capturing(device):
-            _check_index_values(state_pool.shape[0], state_indices, num_accepted_tokens, cu_seqlens, shape)
+        if check_indices and not capturing:
+            _check_index_values(state_pool.shape[0], state_indices, num_accepted_tokens, shape)
         if out is not None:
             check_out("out", out, v.shape, v.dtype, device)
     scale = float(K ** -0.5 if scale is None else scale)
@@ -401,14 +410,15 @@ def kda_decode(
     args = (q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o)
     kw = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, cu_seqlens=cu_seqlens, N=N, **opts)
     if backend == "torch":
-        kda_decode_reference(*args, **kw)
+        # a host loop: it reads the indices, and the offsets from their host copy when there is one
+        kda_decode_reference(*args, **dict(kw, cu_seqlens=cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu))
         return o
     if not prepared:
         # the pool and the index tensors are read through their strides
         check_kernel_layout(K, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
                                 "cu_seqlens": cu_seqlens})
     launch_kda_decode(*args, **kw)
-    if not prepared:
+    if not capturing:
         ws.mark_prepared(signature)
     return o
 
@@ -419,7 +429,7 @@ def kda_decode(
 
 def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_state, output_final_state, opts,
                                 cu_seqlens, safe_gate, out, final_state_out, workspace, ssm_state_indices,
-                                num_accepted_tokens, inplace_final_state, check_indices):
+                                num_accepted_tokens, inplace_final_state, check_indices, cu_seqlens_cpu=None):
     """``fused_recurrent_kda`` with ``ssm_state_indices`` / ``num_accepted_tokens`` / ``inplace_final_state``.
 
     Semantics (FLA 0.6.0's ``fused_recurrent_kda_fwd``; ``opts`` holds scale, the in-kernel
@@ -457,16 +467,17 @@ def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_sta
     state_v_first = opts["state_v_first"]
     kernel_opts = {n: x for n, x in opts.items() if n not in ("scale", "state_v_first")}
     ws, prepared, signature = None, False, None
+    capturing = is_capturing(device)
     if backend == "triton":
-        ws = resolve_workspace(workspace, device)
+        ws = forward_workspace(workspace, device)
         signature = call_signature("fused_recurrent_kda_serving", q, k, v, g, beta, A_log, dt_bias, initial_state,
                                    cu_seqlens, out, final_state_out, ssm_state_indices, num_accepted_tokens,
                                    inplace_final_state, output_final_state, safe_gate, check_indices,
                                    tuple(sorted(opts.items())))
-        prepared = check_prepared_for_capture(ws, signature, "fused_recurrent_kda")
-        if prepared and (out is None or (output_final_state and not inplace_final_state and final_state_out is None)):
-            raise RuntimeError("capturing fused_recurrent_kda in a CUDA graph needs out= (and final_state_out= "
-                               "with output_final_state) so that the capture allocates nothing")
+        # as kda_decode: a prepared call skips validation, any other capture validates from host data only
+        prepared = capturing and ws is not None and ws.is_prepared(signature)
+    if capturing and not prepared:
+        check_capturable_offsets("fused_recurrent_kda", cu_seqlens, cu_seqlens_cpu)
     if prepared:
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         K = q.shape[3]
@@ -477,13 +488,13 @@ def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_sta
             use_gate_in_kernel=opts["use_gate_in_kernel"], use_beta_sigmoid_in_kernel=opts["use_beta_sigmoid_in_kernel"],
             allow_neg_eigval=opts["allow_neg_eigval"], safe_gate=safe_gate, lower_bound=opts["lower_bound"],
             A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-            engine_gate_shapes=True,
+            cu_seqlens_cpu=cu_seqlens_cpu, engine_gate_shapes=True,
         )
         N, K = shape.N, shape.K
         _check_serving_args(q, k, v, g, beta, A_log, dt_bias, shape, initial_state, ssm_state_indices,
                             num_accepted_tokens, inplace_final_state, output_final_state, out, final_state_out,
                             state_v_first, device)
-        if check_indices and ssm_state_indices is not None and not is_capturing(device):
+        if check_indices and ssm_state_indices is not None and not capturing:
             lengths = shape.seqlens if shape.seqlens is not None else (shape.T,) * N
             _check_serving_index_values(initial_state.shape[0] if initial_state is not None else 0,
                                         ssm_state_indices, num_accepted_tokens, lengths,
@@ -512,13 +523,15 @@ def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_sta
               write=write, round_state=False, state_v_first=state_v_first, A_log=A_log, dt_bias=dt_bias,
               scale=scale, cu_seqlens=cu_seqlens, N=N, **kernel_opts)
     if backend == "torch":
-        pool_recurrent_reference(q, k, v, g, beta, o, **kw)
+        # a host loop, as kda_decode's: the offsets from their host copy when there is one
+        pool_recurrent_reference(q, k, v, g, beta, o,
+                                 **dict(kw, cu_seqlens=cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu))
         return o, final
     if not prepared:
         check_kernel_layout(K, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
                                 "cu_seqlens": cu_seqlens})
     launch_pool_recurrent(q, k, v, g, beta, o, **kw)
-    if not prepared:
+    if not capturing:
         ws.mark_prepared(signature)
     return o, final
 
@@ -661,17 +674,17 @@ def _check_pool(pool, state_indices, num_accepted_tokens, shape, cu_seqlens, dev
             raise ValueError(f"num_accepted_tokens must have shape [N] = [{shape.N}], got {list(num_accepted_tokens.shape)}")
 
 
-def _check_index_values(P, state_indices, num_accepted_tokens, cu_seqlens, shape) -> None:
-    idx = state_indices.tolist()
-    if state_indices.dim() == 1:
-        idx = [[i] for i in idx]
+def _check_index_values(P, state_indices, num_accepted_tokens, shape) -> None:
+    """Host check of the index values (one device->host copy of the indices; the sequence lengths come
+    from validation's host copy, never from ``cu_seqlens``)."""
+    host = state_indices.tolist()
+    idx = [[i] for i in host] if state_indices.dim() == 1 else host
     S = len(idx[0]) if idx else 0
     flat = [i for row in idx for i in row]
     if flat and (min(flat) < -1 or max(flat) >= P):
-        raise ValueError(f"state_indices must lie in [-1, {P - 1}] for a pool of {P} rows, got {state_indices.tolist()}")
-    if cu_seqlens is not None and state_indices.dim() == 2:
-        cu = cu_seqlens.tolist()
-        longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+        raise ValueError(f"state_indices must lie in [-1, {P - 1}] for a pool of {P} rows, got {host}")
+    if shape.seqlens is not None and state_indices.dim() == 2:
+        longest = max(shape.seqlens, default=0)
         if longest > S:
             raise ValueError(f"state_indices [N, S] needs S >= the longest sequence ({longest} tokens), got S={S}")
     acc = num_accepted_tokens.tolist() if num_accepted_tokens is not None else None

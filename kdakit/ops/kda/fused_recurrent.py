@@ -46,8 +46,10 @@ from kdakit.ops.kda.validate import flat_gate_params, validate_kda_inputs
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
+    check_capturable_offsets,
     check_out,
-    check_prepared_for_capture,
+    forward_workspace,
+    is_capturing,
     resolve_workspace,
 )
 
@@ -146,6 +148,7 @@ def fused_recurrent_kda(
     num_accepted_tokens: torch.Tensor | None = None,
     inplace_final_state: bool = False,
     check_indices: bool = True,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Recurrent Kimi Delta Attention with FLA 0.6.0's ``fused_recurrent_kda`` arguments, differentiable.
@@ -172,6 +175,9 @@ def fused_recurrent_kda(
         segment_tokens: the backward recomputes sequences longer than this segment by
             segment from state checkpoints, so its scratch scales with segment_tokens, not T
             (``kdakit.recurrent_kda_backward``).
+        cu_seqlens_cpu: the host copy of ``cu_seqlens`` (as ``chunk_kda``): validation reads it
+            and never ``cu_seqlens``, so the forward makes no device->host synchronization and
+            captures in a plain ``torch.cuda.graph`` (see ``kdakit/ops/kda/workspace.py``).
 
     Serving arguments (FLA 0.6.0's ``fused_recurrent_kda_fwd``, the vLLM entry; forward only):
         ssm_state_indices: int32/int64 ``[N]`` or ``[N, S]``: initial_state is then a state
@@ -220,7 +226,7 @@ def fused_recurrent_kda(
             output_final_state=output_final_state, opts=opts, cu_seqlens=cu_seqlens, safe_gate=safe_gate, out=out,
             final_state_out=final_state_out, workspace=workspace, ssm_state_indices=ssm_state_indices,
             num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state,
-            check_indices=check_indices)
+            check_indices=check_indices, cu_seqlens_cpu=cu_seqlens_cpu)
 
     check_segment_tokens(segment_tokens)
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
@@ -231,15 +237,16 @@ def fused_recurrent_kda(
         lower_bound=lower_bound, state_v_first=state_v_first,
     )
     ws, prepared, signature = None, False, None
+    capturing = is_capturing(device)
     if backend == "triton":
-        ws = resolve_workspace(workspace, device)
+        # the forward needs no scratch (the backward resolves its own workspace when it runs)
+        ws = forward_workspace(workspace, device)
         signature = call_signature("fused_recurrent_kda", q, k, v, g, beta, A_log, dt_bias, initial_state,
                                    cu_seqlens, out, final_state_out, output_final_state, safe_gate,
                                    tuple(sorted(opts.items())))
-        prepared = check_prepared_for_capture(ws, signature, "fused_recurrent_kda")
-        if prepared and (out is None or (output_final_state and final_state_out is None)):
-            raise RuntimeError("capturing fused_recurrent_kda in a CUDA graph needs out= (and final_state_out= "
-                               "with output_final_state) so that the capture allocates nothing")
+        prepared = capturing and ws is not None and ws.is_prepared(signature)
+    if capturing and not prepared:
+        check_capturable_offsets("fused_recurrent_kda", cu_seqlens, cu_seqlens_cpu)
     if prepared:
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         K = q.shape[3]
@@ -248,7 +255,8 @@ def fused_recurrent_kda(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, use_gate_in_kernel=use_gate_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
-            state_v_first=state_v_first, cu_seqlens=cu_seqlens, engine_gate_shapes=True,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+            engine_gate_shapes=True,
         )
         N, K = shape.N, shape.K
         if out is not None:
@@ -270,9 +278,12 @@ def fused_recurrent_kda(
         opts["lower_bound"] = None
 
     if backend == "torch":
+        # the PyTorch loop reads the offsets on the host: the host copy when there is one (validated
+        # above, equal to cu_seqlens by the caller's promise), so cu_seqlens is not read back either
         o, ht = naive_recurrent_kda(
             q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-            A_log=A_log_k, dt_bias=dt_bias_k, cu_seqlens=cu_seqlens, **opts,
+            A_log=A_log_k, dt_bias=dt_bias_k, cu_seqlens=cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu,
+            **opts,
         )
         if out is not None:
             # out receives the values; the returned o stays the differentiable tensor.
@@ -302,6 +313,6 @@ def fused_recurrent_kda(
         launch_recurrent_forward(q, k, v, g, beta, A_log=A_log_k, dt_bias=dt_bias_k, initial_state=initial_state,
                                  cu_seqlens=cu_seqlens, N=N, o=o, final_state=final, **opts)
         ht = final
-    if not prepared:
+    if not capturing:
         ws.mark_prepared(signature)
     return o, ht

@@ -246,7 +246,8 @@ def validate_kda_inputs(
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def check_state_pool(pool, state_indices, shape: KDAShape, *, state_v_first: bool, device) -> list[int]:
+def check_state_pool(pool, state_indices, shape: KDAShape, *, state_v_first: bool, device,
+                     check_values: bool = True) -> list[int] | None:
     """``chunk_kda``'s state-pool arguments, after ``validate_kda_inputs`` gave ``shape``.
 
     ``pool`` is ``initial_state`` read as a pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` with
@@ -259,6 +260,8 @@ def check_state_pool(pool, state_indices, shape: KDAShape, *, state_v_first: boo
     the rows of different sequences distinct (two sequences writing one row would leave
     whichever final state the scatter happened to write last; ``kda_decode`` refuses the same).
     Returns the host values, so that the caller needs no second read (padded positions).
+    ``check_values=False`` (the caller's ``check_indices=False``, or a CUDA-graph capture, where a
+    device read is illegal) checks the metadata only, reads nothing and returns None.
     """
     if pool is None:
         raise ValueError("state_indices needs initial_state to be the state pool [P, HV, ...], got None")
@@ -285,6 +288,8 @@ def check_state_pool(pool, state_indices, shape: KDAShape, *, state_v_first: boo
                          f"got {_shape(state_indices)}")
     if state_indices.device != pool.device:
         raise ValueError(f"state_indices must be on the pool's device {pool.device}, got {state_indices.device}")
+    if not check_values:
+        return None
     P = pool.shape[0]
     host = state_indices.tolist()  # the one host read of the pool path
     if host and (max(host) >= P or min(host) < -1):

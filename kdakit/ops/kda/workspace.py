@@ -7,6 +7,14 @@ stream, kept for the life of the process), so the same holds for them.
 
 CUDA graphs (``torch.cuda.CUDAGraph``):
 
+Forward-only calls (``kda_decode``, ``fused_recurrent_kda`` without gradients, ``chunk_kda``)
+need no scratch and capture like any PyTorch op: inside a plain ``torch.cuda.graph(g)`` after
+warm-up iterations on any stream, with outputs allocated from the graph's pool, provided no
+validation step needs a device value: fixed-length inputs, or ``cu_seqlens`` with its host copy
+``cu_seqlens_cpu``; index checks (``check_indices``) are skipped while capturing. Replays assume
+the capture's ``cu_seqlens_cpu`` values. The steps below are the zero-allocation contract, and
+what the recurrent backward (which needs scratch) requires:
+
 1. Allocate the inputs and, through ``out=``, every output the call returns.
 2. Make one eager call on the capture stream with exactly those tensors and options,
    then synchronize that stream. This validates the arguments (which may read
@@ -160,6 +168,29 @@ def resolve_workspace(workspace: Workspace | None, device: torch.device) -> Work
     if workspace.device != dev:
         raise ValueError(f"workspace must be on the inputs' device {dev}, got a workspace on {workspace.device}")
     return workspace
+
+
+def forward_workspace(workspace: Workspace | None, device: torch.device) -> Workspace | None:
+    """The workspace a forward-only call records its signature in: the caller's, else the stream-local one.
+
+    Forward kernels need no scratch, so a capture on a stream that never ran an eager call (the
+    side stream ``torch.cuda.graph`` opens) is legal: there this returns None instead of raising,
+    and the call captures like any PyTorch op (outputs from the graph's pool)."""
+    if workspace is not None or not is_capturing(device):
+        return resolve_workspace(workspace, device)
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _STREAM_LOCAL_LOCK:
+        return _STREAM_LOCAL.get(("cuda", index, torch.cuda.current_stream(index).cuda_stream))
+
+
+def check_capturable_offsets(what: str, cu_seqlens, cu_seqlens_cpu) -> None:
+    """During capture the offsets' values cannot be read from the device (a synchronization is illegal
+    there): a packed call must bring them in ``cu_seqlens_cpu``, or be one an eager call prepared."""
+    if cu_seqlens is not None and cu_seqlens_cpu is None:
+        raise RuntimeError(f"capturing {what} in a CUDA graph with cu_seqlens needs cu_seqlens_cpu= (its host copy), "
+                           "since the capture cannot read cu_seqlens from the device; got cu_seqlens_cpu=None (or make "
+                           "one eager call with the exact tensors on the capture stream first)")
 
 
 def call_signature(*items) -> tuple:
