@@ -128,7 +128,7 @@ def test_fla_state_dict_loads_strictly_and_gives_fla_outputs(name):
     layer = KimiDeltaAttention(HIDDEN, head_dim=8, **cfg).double()
     layer.load_state_dict(ref.state_dict(), strict=True)
     x = rand(2, 9, HIDDEN, seed=4).requires_grad_()
-    out, final = layer(x)
+    out, final, _ = layer(x)
     want = ref(x)
     assert final is None
     assert_close(f"{name} out", want, out, 1e-10)
@@ -148,8 +148,8 @@ def test_fused_recurrent_mode_matches_chunk_mode():
     x = rand(1, 10, HIDDEN, seed=9)
     cu = torch.tensor([0, 4, 10])
     h0 = 0.3 * rand(2, 4, 8, 16, seed=10)           # [N, HV, K, V], V = 2K
-    a, fa = chunk(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
-    b, fb = rec(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    a, fa, _ = chunk(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    b, fb, _ = rec(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
     assert_close("fused_recurrent vs chunk out", a, b, 1e-10)
     assert_close("fused_recurrent vs chunk state", fa, fb, 1e-10)
 
@@ -167,7 +167,7 @@ def test_attention_mask_equals_unpadded_runs(side):
         else:
             mask[b, :n] = 1
     h0 = 0.3 * rand(B, 4, 8, 8, seed=13)
-    out, final = layer(x, attention_mask=mask, initial_state=h0, output_final_state=True)
+    out, final, _ = layer(x, attention_mask=mask, initial_state=h0, output_final_state=True)
     assert out.shape == (B, T, HIDDEN)
     dy = rand(B, T, HIDDEN, seed=14)
     (dx,) = torch.autograd.grad((out * dy).sum(), [x])
@@ -177,7 +177,7 @@ def test_attention_mask_equals_unpadded_runs(side):
     for b, n in enumerate(lengths):
         sel = mask[b].bool()
         xb = x[b:b + 1, sel].detach().requires_grad_()
-        ob, fb = layer(xb, initial_state=h0[b:b + 1], output_final_state=True)
+        ob, fb, _ = layer(xb, initial_state=h0[b:b + 1], output_final_state=True)
         assert_close(f"{side} row {b} final state", fb, final[b:b + 1], 1e-12)
         if n:
             assert_close(f"{side} row {b} out", ob, out[b:b + 1, sel], 1e-12)
@@ -185,7 +185,7 @@ def test_attention_mask_equals_unpadded_runs(side):
             assert_close(f"{side} row {b} dx", dxb, dx[b:b + 1, sel], 1e-12)
     # a longer mask (as HF passes during decode) is cut to its last T columns; bool works too
     longer = torch.cat([torch.ones(B, 3, dtype=torch.long), mask], 1).bool()
-    out2, _ = layer(x, attention_mask=longer, initial_state=h0)
+    out2, _, _ = layer(x, attention_mask=longer, initial_state=h0)
     assert torch.equal(out2, out)
 
 
@@ -212,7 +212,7 @@ def test_module_casts_keep_gate_parameters_fp32():
     low.load_state_dict(ref.state_dict())
     low.bfloat16()
     x = rand(1, 8, HIDDEN, seed=16)
-    out, _ = low(x.bfloat16())
+    out, _, _ = low(x.bfloat16())
     assert out.dtype == torch.bfloat16
     assert_close("bf16 layer vs float64", ref(x)[0], out.double(), 5e-2)
 
@@ -253,8 +253,9 @@ def test_bad_mask_and_cache_arguments_raise():
         (lambda: layer(x, attention_mask=ones[None]), ValueError, "attention_mask"),
         (lambda: layer(x, attention_mask=ones * 2), ValueError, "only 0"),
         (lambda: layer(x, attention_mask=[[1] * 5] * 2), TypeError, "attention_mask"),
-        (lambda: layer(x, past_key_values=object()), ValueError, "past_key_values"),
-        (lambda: layer(x, use_cache=True), ValueError, "use_cache"),
+        # a cache needs layer_idx, as in FLA (the cache path is tested in test_nn_cache.py)
+        (lambda: layer(x, past_key_values=object()), ValueError, "layer_idx"),
+        (lambda: layer(x, use_cache=True), ValueError, "layer_idx"),
         (lambda: layer(x, output_attentions=True), ValueError, "output_attentions"),
     ]
     for call, exc, match in cases:

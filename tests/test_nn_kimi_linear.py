@@ -76,7 +76,7 @@ def test_converted_kimi_weights_reproduce_kimi_forward(conv_2d):
     layer = load_kimi_linear_kda(sd, CONFIG, PREFIX, layer_idx=0).double()
     assert (layer.num_heads, layer.head_dim, layer.conv_size, layer.o_norm.eps, layer.layer_idx) == (2, 8, 4, 1e-6, 0)
     x = torch.randn(2, 7, 12, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    out, _ = layer(x)
+    out, _, _ = layer(x)
     assert_close("kdakit layer vs Kimi forward", kimi_forward(sd, x), out, 1e-10)
 
 

@@ -97,7 +97,7 @@ def test_forward_and_grads_match_explicit_composition(name):
     h0 = rand(4, HV, HEAD_DIM, HEAD_DIM, seed=4, scale=0.5).requires_grad_()
     dout = rand(1, 10, HIDDEN, seed=5)
 
-    out, final = layer(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    out, final, _ = layer(x, cu_seqlens=cu, initial_state=h0, output_final_state=True)
     ref, ref_final = explicit_layer(layer, x, cu, h0)
     assert out.shape == (1, 10, HIDDEN) and out.dtype == torch.float64
     assert_close(f"{name} out", ref, out, 1e-9)
@@ -116,7 +116,7 @@ def test_forward_and_grads_match_explicit_composition(name):
 def test_gradients_reach_every_parameter_float32_batched():
     layer = make_layer(21, dtype=torch.float32, num_heads=2, num_v_heads=4)
     x = rand(2, 7, HIDDEN, seed=22).float()
-    out, _ = layer(x)
+    out, _, _ = layer(x)
     (out * rand(2, 7, HIDDEN, seed=23).float()).sum().backward()
     names = {n for n, _ in layer.named_parameters()}
     assert {"A_log", "dt_bias", "q_conv1d.weight", "f_proj.1.weight", "g_proj.1.bias", "o_norm.weight"} <= names
@@ -139,11 +139,11 @@ def test_packed_sequences_equal_separate_runs(name):
     h0 = rand(N, HV, HEAD_DIM, HEAD_DIM, seed=33, scale=0.5)
     ctx = rand(N, layer.conv_channels, layer.conv_size - 1, seed=34)
     conv_packed = ctx.clone()
-    out, final = layer(x, cu_seqlens=cu, initial_state=h0, output_final_state=True, conv_state=conv_packed)
+    out, final, _ = layer(x, cu_seqlens=cu, initial_state=h0, output_final_state=True, conv_state=conv_packed)
     for n in range(N):
         bos, eos = int(cu[n]), int(cu[n + 1])
         conv_n = ctx[n:n + 1].clone()
-        o_n, f_n = layer(x[:, bos:eos], initial_state=h0[n:n + 1], output_final_state=True, conv_state=conv_n)
+        o_n, f_n, _ = layer(x[:, bos:eos], initial_state=h0[n:n + 1], output_final_state=True, conv_state=conv_n)
         if eos > bos:
             assert_close(f"seq {n} out", o_n, out[:, bos:eos], 1e-12)
         assert_close(f"seq {n} final state", f_n, final[n:n + 1], 1e-12)
@@ -171,24 +171,33 @@ def test_prefill_then_decode_steps_equal_one_forward(name):
     pool = rand(4, HV, HEAD_DIM, HEAD_DIM, seed=50).float()          # value-first [P, HV, V, K], stale rows
     idx = torch.tensor([2, 0], dtype=torch.int32)
     untouched = pool[[1, 3]].clone()
-    conv = (torch.zeros(2, layer.conv_channels, layer.conv_size - 1, dtype=torch.float64)
-            if layer.use_short_conv else None)
+    # the conv-state pool has the recurrent pool's rows and stale values in the rows not used
+    conv = (rand(4, layer.conv_channels, layer.conv_size - 1, seed=51) if layer.use_short_conv else None)
+    conv_untouched = None if conv is None else conv[[1, 3]].clone()
     cu = torch.tensor([0, prefill[0], sum(prefill)], dtype=torch.long)
     x_pre = torch.cat([xs[:, :n] for xs, n in zip(x_seqs, prefill)], 1)
     h0 = torch.zeros(2, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32)
     pool[idx.long()] = h0                                              # fresh sequences start from zero
+    if conv is not None:
+        conv[idx.long()] = 0.0
     with torch.no_grad():
-        out_pre, _ = layer(x_pre, cu_seqlens=cu, initial_state=pool, state_indices=idx, state_v_first=True,
+        out_pre, _, _ = layer(x_pre, cu_seqlens=cu, initial_state=pool, state_indices=idx, state_v_first=True,
                            conv_state=conv)
     step_outs = []
     for t in range(steps):
         x_t = torch.cat([xs[:, n + t:n + t + 1] for xs, n in zip(x_seqs, prefill)], 0)   # [N, 1, hidden]
         step_outs.append(layer.step(x_t, conv, pool, idx))
     assert torch.equal(pool[[1, 3]], untouched)
+    if conv is not None:
+        assert torch.equal(conv[[1, 3]], conv_untouched), "conv pool rows not in state_indices untouched"
+        # each used row holds its sequence's last W-1 projected inputs
+        for i, xs in enumerate(x_seqs):
+            proj = torch.cat([layer.q_proj(xs), layer.k_proj(xs), layer.v_proj(xs)], -1)[0].detach()
+            assert_close(f"seq {i} conv pool row", proj[-(layer.conv_size - 1):].T, conv[int(idx[i])], 1e-14)
 
     with torch.no_grad():
         for i, xs in enumerate(x_seqs):
-            full, final = layer(xs, output_final_state=True, state_v_first=True)
+            full, final, _ = layer(xs, output_final_state=True, state_v_first=True)
             got = torch.cat([out_pre[:, cu[i]:cu[i + 1]], *[o[i:i + 1] for o in step_outs]], 1)
             # the pool is fp32, so the decode path rounds the state once per call
             assert_close(f"{name} seq {i} prefill+steps", full, got, 1e-5)
@@ -199,7 +208,7 @@ def test_step_multi_token_padding_and_conv_state():
     layer = make_layer(61, num_heads=2, num_v_heads=4)
     N, HV, W1 = 3, layer.num_v_heads, layer.conv_size - 1
     pool = rand(5, HV, HEAD_DIM, HEAD_DIM, seed=62, scale=0.3).float()
-    conv = rand(N, layer.conv_channels, W1, seed=63)
+    conv = rand(5, layer.conv_channels, W1, seed=63)                   # a pool: rows as state_indices
     idx = torch.tensor([4, -1, 1], dtype=torch.int32)
     x = rand(N, 2, HIDDEN, seed=64)
 
@@ -211,16 +220,17 @@ def test_step_multi_token_padding_and_conv_state():
     assert_close("2-token step vs two 1-token steps", out_b, out_a, 1e-6)
     assert_close("2-token step vs two 1-token steps: pool", pool_b, pool_a, 1e-6)
     assert_close("2-token step vs two 1-token steps: conv state", conv_b, conv_a, 1e-14)
-    # a padded sequence: zero output, its conv row and every unused pool row untouched
+    # a padded sequence: zero output; every conv and recurrent pool row not in use untouched
     assert torch.equal(out_a[1], torch.zeros_like(out_a[1]))
-    assert torch.equal(conv_a[1], conv[1])
+    assert torch.equal(conv_a[[0, 2, 3]], conv[[0, 2, 3]])
     assert torch.equal(pool_a[[0, 2, 3]], pool[[0, 2, 3]])
     # live sequences: the conv row shifted in the step's projected inputs, the output matches a forward
     proj = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1).detach()
     for n in (0, 2):
-        assert torch.equal(conv_a[n], torch.cat([conv[n], proj[n].T], 1)[:, -W1:])
-        ref, _ = explicit_layer(layer, x[n:n + 1], initial_state=pool[int(idx[n])][None].double().transpose(-1, -2),
-                                conv_context=conv[n:n + 1])
+        r = int(idx[n])
+        assert torch.equal(conv_a[r], torch.cat([conv[r], proj[n].T], 1)[:, -W1:])
+        ref, _ = explicit_layer(layer, x[n:n + 1], initial_state=pool[r][None].double().transpose(-1, -2),
+                                conv_context=conv[r:r + 1])
         assert_close(f"step seq {n} vs explicit", ref, out_a[n:n + 1], 1e-5)
 
 
@@ -228,10 +238,10 @@ def test_chunked_prefill_continues_from_conv_and_recurrent_state():
     layer = make_layer(71, num_heads=2)
     x = rand(2, 9, HIDDEN, seed=72)
     with torch.no_grad():
-        full, full_final = layer(x, output_final_state=True)
+        full, full_final, _ = layer(x, output_final_state=True)
         conv = torch.zeros(2, layer.conv_channels, layer.conv_size - 1, dtype=torch.float64)
-        a, s = layer(x[:, :4], output_final_state=True, conv_state=conv)
-        b, s = layer(x[:, 4:], initial_state=s, output_final_state=True, conv_state=conv)
+        a, s, _ = layer(x[:, :4], output_final_state=True, conv_state=conv)
+        b, s, _ = layer(x[:, 4:], initial_state=s, output_final_state=True, conv_state=conv)
     assert_close("chunked prefill out", full, torch.cat([a, b], 1), 1e-12)
     assert_close("chunked prefill state", full_final, s, 1e-12)
 
@@ -250,7 +260,7 @@ def test_initialization():
     assert float(dt.log().std()) > 0.5, "dt must spread over the log range, not sit at one value"
     assert layer.A_log._no_weight_decay and layer.dt_bias._no_weight_decay
     assert layer.conv_channels == 2 * 4 * 16 + 8 * 16
-    out, final = layer(torch.randn(1, 5, 64))
+    out, final, _ = layer(torch.randn(1, 5, 64))
     assert out.shape == (1, 5, 64) and final is None and torch.isfinite(out).all()
 
 
@@ -291,23 +301,35 @@ def test_bad_call_arguments_raise():
          "state_indices"),
     ]
     pool = torch.zeros(2, 2, HEAD_DIM, HEAD_DIM)
+    conv_pool = torch.zeros(2, layer.conv_channels, layer.conv_size - 1, dtype=torch.float64)
     idx = torch.tensor([0], dtype=torch.int32)
     step_x = x[:, :1]
     cases += [
         (lambda: layer.step(step_x, None, pool, idx), ValueError, "conv_state"),
-        (lambda: layer.step(step_x[:, :0], conv_ok, pool, idx), ValueError, "T=0"),
-        (lambda: layer.step(step_x, conv_ok, pool, torch.tensor([0, 1], dtype=torch.int32)), ValueError,
+        (lambda: layer.step(step_x[:, :0], conv_pool, pool, idx), ValueError, "T=0"),
+        (lambda: layer.step(step_x, conv_pool, pool, torch.tensor([0, 1], dtype=torch.int32)), ValueError,
          "state_indices"),
-        (lambda: layer.step(step_x, conv_ok, pool, [0]), TypeError, "state_indices"),
-        (lambda: layer.step(step_x, conv_ok, torch.zeros(2, 2, HEAD_DIM, HEAD_DIM + 1), idx), ValueError,
+        (lambda: layer.step(step_x, conv_pool, pool, [0]), TypeError, "state_indices"),
+        (lambda: layer.step(step_x, conv_pool, torch.zeros(2, 2, HEAD_DIM, HEAD_DIM + 1), idx), ValueError,
          "state_pool"),
+        (lambda: layer.step(step_x, conv_pool, pool.numpy(), idx), TypeError, "state_pool"),
+        # the conv pool has the recurrent pool's rows, not one per sequence
+        (lambda: layer.step(step_x, conv_ok, pool, idx), ValueError, r"conv_state must have shape \[P"),
+        (lambda: layer(x, initial_state=pool, state_indices=idx, state_v_first=True, conv_state=conv_ok),
+         ValueError, r"conv_state must have shape \[P"),
+        (lambda: layer(x, state_indices=idx, conv_state=conv_pool), ValueError, "initial_state"),
+        (lambda: layer.step(step_x, conv_pool, pool, torch.tensor([2], dtype=torch.int32)), ValueError,
+         "state_indices"),
     ]
     conv_before = rand(1, layer.conv_channels, layer.conv_size - 1, seed=84)
     conv_ok.copy_(conv_before)
+    pool_before = rand(2, layer.conv_channels, layer.conv_size - 1, seed=85)
+    conv_pool.copy_(pool_before)
     for call, exc, match in cases:
         with pytest.raises(exc, match=match):
             call()
     assert torch.equal(conv_ok, conv_before), "a rejected call must leave conv_state untouched"
+    assert torch.equal(conv_pool, pool_before), "a rejected call must leave the conv pool untouched"
     no_conv = make_layer(83, num_heads=2, use_short_conv=False)
     with pytest.raises(ValueError, match="conv_state"):
         no_conv(x, conv_state=conv_ok)

@@ -39,14 +39,25 @@ both work, and a valid token's output equals an unpadded run of its row.
 The short convolution is ``kdakit.nn.ShortConvolution`` (one ``F.conv1d`` per projection over
 the packed tokens, restarted at every sequence start; see ``kdakit/nn/short_conv.py``).
 
-Serving: prefill with ``forward(..., initial_state=state_pool, state_indices=...,
-state_v_first=True, conv_state=...)`` and decode with ``step``. ``kda_decode`` keeps the
-recurrent state value-first (``[P, HV, V, K]``), so a pool shared with decode must be written
-by prefill with ``state_v_first=True``. The conv state is caller-owned, one row per sequence of
-the batch: ``[N, conv_channels, conv_size - 1]`` with ``conv_channels = 2 * H * K + HV * V``
-in the order q, k, v; it holds each sequence's last ``conv_size - 1`` projected (pre-conv)
-inputs, oldest first. Fresh sequences start from a zeroed row. FLA's ``Cache`` objects
-(``past_key_values``, ``use_cache``) are not supported: pass these tensors instead.
+Decode through FLA's cache (what FLA's models and a ``generate`` loop do):
+``o, _, cache = layer(x, past_key_values=cache, use_cache=True)`` with ``layer_idx`` set, as
+FLA's layer: the call returns FLA's ``(o, None, past_key_values)``, reads layer ``layer_idx``'s
+states from the cache and writes the new ones with ``cache.update(...)``. The cache is an FLA
+``Cache`` (``fla.models.utils.Cache``) or kdakit's ``kdakit.nn.KDACache`` (no FLA or
+transformers needed; a new one is made when ``use_cache=True`` comes without a cache); the
+stored states have FLA's layout (``kdakit/nn/cache.py``), so either layer continues the other's
+cache. kdakit runs the layer's ``mode`` for every call, decode included; FLA's layer switches
+to ``fused_recurrent`` for inference calls of <= 64 tokens (the two agree to round-off).
+
+Serving with state pools: prefill with ``forward(..., initial_state=state_pool,
+state_indices=..., state_v_first=True, conv_state=conv_pool)`` and decode with ``step``.
+``kda_decode`` keeps the recurrent state value-first (``[P, HV, V, K]``), so a pool shared with
+decode must be written by prefill with ``state_v_first=True``. The conv state is a pool too,
+``[P, conv_channels, conv_size - 1]`` with the recurrent pool's P rows, indexed by the same
+``state_indices`` (``-1`` rows untouched): ``conv_channels = 2 * H * K + HV * V`` in the order
+q, k, v; a row holds its sequence's last ``conv_size - 1`` projected (pre-conv) inputs, oldest
+first (the W-1 columns serving engines keep). Fresh sequences start from zeroed rows. Without
+``state_indices``, ``conv_state`` is ``[N, conv_channels, conv_size - 1]``, one row per sequence.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kdakit.nn.cache import KDACache, read_layer_state
 from kdakit.nn.short_conv import ShortConvolution
 from kdakit.ops.kda.chunk import chunk_kda
 from kdakit.ops.kda.decode import kda_decode
@@ -250,54 +262,84 @@ class KimiDeltaAttention(nn.Module):
         state_v_first: bool = False,
         state_indices: torch.Tensor | None = None,
         conv_state: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the layer over whole sequences (training or prefill).
+    ) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+        """Run the layer over whole sequences (training, prefill, or decode through a cache).
 
         Args:
             hidden_states: ``[B, T, hidden_size]``; packed sequences need B = 1 and ``cu_seqlens``.
             attention_mask: optional bool / int ``[B, S]`` 0/1 padding mask (1 = valid), S >= T;
-                its last T columns are used. Each row's valid tokens, in order, form one
-                sequence (left or right padding); outputs at padded positions are zero. As in
-                FLA, an explicit ``cu_seqlens`` takes precedence and the mask is then only
-                checked, not applied. With a mask, sequence n of ``initial_state``,
-                ``state_indices`` and ``conv_state`` is batch row n.
-            past_key_values, use_cache, output_attentions: FLA's cache arguments; kdakit keeps
-                no ``Cache`` object, so anything but ``None`` / ``False`` raises ``ValueError``
-                (use ``initial_state``, ``conv_state``, ``output_final_state`` and ``step``).
+                its last T columns are used. Each row's valid tokens run as one sequence (left
+                or right padding); outputs at padded positions are zero. Ignored (after its
+                checks) when ``cu_seqlens`` is given, as in FLA.
+            past_key_values: FLA's cache protocol (see ``kdakit.nn.cache``): an FLA ``Cache`` or
+                a ``kdakit.nn.KDACache``. Layer ``layer_idx``'s stored recurrent and conv states
+                (FLA's layout) continue each sequence (one per batch row, or per ``cu_seqlens``
+                sequence); with ``use_cache`` the new states are written back. Needs ``layer_idx``.
+            use_cache: write the final states into ``past_key_values`` (a new ``KDACache`` when
+                None). With a cache and ``use_cache=False`` the cache is read, not changed.
+            output_attentions: KDA has no attention weights: anything but None / False raises.
             cu_seqlens: int ``[N + 1]`` offsets of the packed sequences (zero-length ones legal).
                 Neither the convolution nor the recurrent state crosses a boundary.
             initial_state: recurrent state ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
                 ``state_v_first``), or, with ``state_indices``, the state pool ``[P, HV, ...]``
                 whose rows ``state_indices`` are read and overwritten in place (not differentiated).
-            output_final_state: also return the final recurrent state (fp32; float64 for float64).
+            output_final_state: return the final recurrent state (fp32; float64 for float64) as
+                the second element.
             state_v_first: value-first state layout; required to share a pool with ``step``.
             state_indices: int ``[N]`` pool rows, ``-1`` for a padded sequence (zero output, its
-                pool row and conv-state row untouched); see ``chunk_kda``. Needs ``mode="chunk"``.
-            conv_state: optional caller-owned ``[N, conv_channels, conv_size - 1]`` (only with
-                ``use_short_conv``): read as each sequence's left context of projected inputs
-                (zeros for a fresh sequence) and overwritten in place with its last
-                ``conv_size - 1`` projected inputs. It is not differentiated.
+                pool rows untouched); see ``chunk_kda``. Needs ``mode="chunk"``.
+            conv_state: optional ``[N, conv_channels, conv_size - 1]`` per sequence, or with
+                ``state_indices`` a pool ``[P, conv_channels, conv_size - 1]`` (P rows as the
+                recurrent pool; rows ``state_indices`` used). Only with ``use_short_conv``. Read
+                as each sequence's left context of projected inputs (zeros for a fresh sequence)
+                and overwritten in place with its last ``conv_size - 1`` projected inputs; not
+                differentiated.
+
+            The kdakit state arguments (``initial_state`` ... ``conv_state``) and a cache
+            (``past_key_values`` / ``use_cache``) are two ways to carry state: one call takes one.
 
         Returns:
-            ``(out [B, T, hidden_size], final_state or None)``.
+            ``(out [B, T, hidden_size], final_state or None, past_key_values)``: FLA's
+            ``(o, attentions, past_key_values)``, where the attentions slot, always None in FLA,
+            holds the final state when ``output_final_state=True``.
         """
         B, T = self._check_hidden("hidden_states", hidden_states)
-        for name, value in (("past_key_values", past_key_values), ("use_cache", use_cache),
-                            ("output_attentions", output_attentions)):
-            if value not in (None, False):
-                raise ValueError(f"{name}: kdakit's layer keeps no FLA Cache; expected None or False, got "
-                                 f"{type(value).__name__ if isinstance(value, torch.Tensor) else value!r} "
-                                 "(pass initial_state / conv_state / output_final_state, decode with step)")
+        if output_attentions not in (None, False):
+            raise ValueError(f"output_attentions: KDA computes no attention weights; expected None or False, "
+                             f"got {output_attentions!r}")
+        if use_cache is not None and not isinstance(use_cache, bool):
+            raise TypeError(f"use_cache must be a bool or None, got {type(use_cache).__name__}")
+        cached = bool(use_cache) or past_key_values is not None
+        last = None
+        if cached:
+            for name, value in (("initial_state", initial_state), ("state_indices", state_indices),
+                                ("conv_state", conv_state)):
+                if value is not None:
+                    raise ValueError(f"{name} cannot be combined with past_key_values / use_cache: the cache "
+                                     "holds the layer's states (pass one or the other)")
+            for name, value in (("output_final_state", output_final_state), ("state_v_first", state_v_first)):
+                if value is not False:
+                    raise ValueError(f"{name} cannot be combined with past_key_values / use_cache: the final "
+                                     "state is in the cache (value-first, FLA's layout)")
+            if self.layer_idx is None:
+                raise ValueError("layer_idx: KimiDeltaAttention requires `layer_idx` when past_key_values or "
+                                 "use_cache is given (the cache is keyed by it)")
+            if past_key_values is None:
+                past_key_values = KDACache()
+            last = read_layer_state(past_key_values, self.layer_idx)
         indices = None
         if attention_mask is not None:
             valid = self._check_attention_mask("attention_mask", attention_mask, B, T, hidden_states.device)
             if cu_seqlens is None:
                 hidden_states, indices, cu_seqlens = _unpad(hidden_states, valid)
-        out, final = self._forward_packed(hidden_states, cu_seqlens, initial_state, output_final_state,
-                                          state_v_first, state_indices, conv_state)
+        if cached:
+            out, final = self._forward_cached(hidden_states, cu_seqlens, last, past_key_values, bool(use_cache), T)
+        else:
+            out, final = self._forward_packed(hidden_states, cu_seqlens, initial_state, output_final_state,
+                                              state_v_first, state_indices, conv_state)
         if indices is not None:
             out = _repad(out, indices, B, T)
-        return out, final
+        return out, final, past_key_values
 
     def _forward_packed(self, hidden_states, cu_seqlens, initial_state, output_final_state, state_v_first,
                         state_indices, conv_state):
@@ -306,34 +348,58 @@ class KimiDeltaAttention(nn.Module):
         for name, flag in (("output_final_state", output_final_state), ("state_v_first", state_v_first)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        keep = None
+        rows = None
         if state_indices is not None:
-            if not isinstance(state_indices, torch.Tensor) or state_indices.dtype not in INDEX_DTYPES:
-                raise TypeError(f"state_indices must be an int32 tensor [N], got "
-                                f"{getattr(state_indices, 'dtype', type(state_indices).__name__)}")
-            if state_indices.dim() != 1 or state_indices.shape[0] != N:
-                raise ValueError(f"state_indices must have shape [N] = [{N}], got {list(state_indices.shape)}")
+            _check_state_indices("state_indices", state_indices, N)
             if self.mode != "chunk":
                 raise ValueError(f"state_indices needs mode='chunk' (decode with step), got mode={self.mode!r}")
-            keep = state_indices >= 0
-        self._check_conv_state("conv_state", conv_state, N, hidden_states)
-
-        lengths = _seq_lengths(B, T, cu_seqlens, hidden_states.device)
-        q, k, v, proj = self._mix_qkv(hidden_states, conv_state, cu_seqlens)
-        g, beta = self._gate_inputs(hidden_states)
-        common = dict(
-            initial_state=initial_state, output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-            allow_neg_eigval=self.allow_neg_eigval, lower_bound=self.lower_bound, state_v_first=state_v_first,
-            cu_seqlens=cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias,
-        )
-        if self.mode == "chunk":
-            o, final = chunk_kda(q, k, v, g, beta, safe_gate=self.safe_gate, state_indices=state_indices, **common)
+            rows = state_indices.long()
+        if conv_state is not None and rows is not None:
+            if not isinstance(initial_state, torch.Tensor):
+                raise ValueError("initial_state: a conv_state pool with state_indices needs the recurrent state "
+                                 "pool as initial_state, got None")
+            self._check_conv_state("conv_state", conv_state, initial_state.shape[0], hidden_states,
+                                   "[P, conv_channels, conv_size - 1] (P rows as the initial_state pool)")
         else:
-            o, final = fused_recurrent_kda(q, k, v, g, beta, **common)
+            self._check_conv_state("conv_state", conv_state, N, hidden_states, "[N, conv_channels, conv_size - 1]")
+
+        if conv_state is not None and rows is not None:
+            _check_pool_rows("state_indices", state_indices, conv_state.shape[0])
+        contexts = None if conv_state is None else self._split_channels(
+            conv_state if rows is None else conv_state[rows.clamp(min=0)])
+        q, k, v, proj = self._mix_qkv(hidden_states, contexts, cu_seqlens)
+        g, beta = self._gate_inputs(hidden_states)
+        o, final = self._kda(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, state_v_first,
+                             state_indices)
         if conv_state is not None:
-            _update_conv_state(conv_state, torch.cat(proj, dim=-1).detach(), lengths, cu_seqlens, keep)
+            # after the op, which has accepted (and range-checked) state_indices
+            _store_conv_state(conv_state, proj, _seq_lengths(B, T, cu_seqlens, hidden_states.device),
+                              _seq_starts(B, T, cu_seqlens, hidden_states.device), rows)
         return self._output(o, hidden_states), final
+
+    def _forward_cached(self, hidden_states, cu_seqlens, last, cache, use_cache, offset):
+        """FLA's cache path: continue from ``last`` (layer ``layer_idx``'s stored states, or None)
+        and, with ``use_cache``, write the new ones with ``cache.update``."""
+        B, T = hidden_states.shape[:2]
+        N = _check_cu_seqlens(cu_seqlens, B, T, hidden_states.device)
+        recurrent, windows = self._cached_states(last, N, hidden_states)
+        contexts = None
+        if windows is not None:
+            # the next token's convolution reads the newest W-1 of FLA's W-column window
+            contexts = [None if w is None else w[:, :, 1:] for w in windows]
+        q, k, v, proj = self._mix_qkv(hidden_states, contexts, cu_seqlens)
+        g, beta = self._gate_inputs(hidden_states)
+        o, final = self._kda(q, k, v, g, beta, cu_seqlens, recurrent, use_cache, True, None)
+        if use_cache:
+            conv = None
+            if self.use_short_conv:
+                lengths = _seq_lengths(B, T, cu_seqlens, hidden_states.device)
+                starts = _seq_starts(B, T, cu_seqlens, hidden_states.device)
+                old = windows if windows is not None else [None] * 3
+                conv = tuple(_conv_windows(w if w is not None else p.new_zeros(N, p.shape[-1], self.conv_size),
+                                           p, lengths, starts) for w, p in zip(old, proj))
+            cache.update(recurrent_state=final, conv_state=conv, layer_idx=self.layer_idx, offset=offset)
+        return self._output(o, hidden_states), None
 
     @torch.no_grad()
     def step(
@@ -343,17 +409,18 @@ class KimiDeltaAttention(nn.Module):
         state_pool: torch.Tensor,
         state_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Decode: advance N sequences by their next tokens, updating both caches in place.
+        """Decode: advance N sequences by their next tokens, updating both pools in place.
 
         Args:
             hidden_states: ``[N, T, hidden_size]``, usually T = 1 (T > 1 gives the same result
                 as T one-token steps).
-            conv_state: ``[N, conv_channels, conv_size - 1]`` caller-owned conv cache (row n is
-                sequence n's), updated in place; None when ``use_short_conv=False``.
+            conv_state: ``[P, conv_channels, conv_size - 1]`` conv-state pool, the same P rows as
+                ``state_pool`` (row ``state_indices[n]`` is sequence n's), updated in place; None
+                when ``use_short_conv=False``.
             state_pool: ``[P, HV, V, K]`` value-first recurrent state pool (fp32 or bf16),
                 updated in place through ``kdakit.kda_decode``.
             state_indices: int32 ``[N]`` pool rows; ``-1`` marks a padded sequence (zero output,
-                its pool row and conv-state row untouched).
+                no pool row touched).
 
         Returns:
             ``out [N, T, hidden_size]``. Not differentiable (inference only).
@@ -361,18 +428,20 @@ class KimiDeltaAttention(nn.Module):
         N, T = self._check_hidden("hidden_states", hidden_states)
         if T == 0:
             raise ValueError("hidden_states must carry at least one token per sequence, got T=0")
-        if not isinstance(state_indices, torch.Tensor) or state_indices.dtype not in INDEX_DTYPES:
-            raise TypeError(f"state_indices must be an int32 tensor [N], got "
-                            f"{getattr(state_indices, 'dtype', type(state_indices).__name__)}")
-        if state_indices.dim() != 1 or state_indices.shape[0] != N:
-            raise ValueError(f"state_indices must have shape [N] = [{N}], got {list(state_indices.shape)}")
+        _check_state_indices("state_indices", state_indices, N)
+        if not isinstance(state_pool, torch.Tensor):
+            raise TypeError(f"state_pool must be a torch.Tensor, got {type(state_pool).__name__}")
         if self.use_short_conv and conv_state is None:
             raise ValueError(f"conv_state is required with use_short_conv=True: expected "
-                             f"[{N}, {self.conv_channels}, {self.conv_size - 1}], got None")
-        self._check_conv_state("conv_state", conv_state, N, hidden_states)
+                             f"[P, {self.conv_channels}, {self.conv_size - 1}], got None")
+        self._check_conv_state("conv_state", conv_state, state_pool.shape[0], hidden_states,
+                               "[P, conv_channels, conv_size - 1] (P rows as state_pool)")
 
-        lengths = _seq_lengths(N, T, None, hidden_states.device)
-        q, k, v, proj = self._mix_qkv(hidden_states, conv_state, None)
+        rows = state_indices.long()
+        if conv_state is not None:
+            _check_pool_rows("state_indices", state_indices, conv_state.shape[0])
+        contexts = None if conv_state is None else self._split_channels(conv_state[rows.clamp(min=0)])
+        q, k, v, proj = self._mix_qkv(hidden_states, contexts, None)
         g, beta = self._gate_inputs(hidden_states)
         o = kda_decode(
             q, k, v, g, beta, state_pool, state_indices,
@@ -381,26 +450,30 @@ class KimiDeltaAttention(nn.Module):
             lower_bound=self.lower_bound, safe_gate=self.safe_gate,
         )
         if conv_state is not None:
-            _update_conv_state(conv_state, torch.cat(proj, dim=-1), lengths, None, state_indices >= 0)
+            _store_conv_state(conv_state, proj, _seq_lengths(N, T, None, hidden_states.device),
+                              _seq_starts(N, T, None, hidden_states.device), rows)
         return self._output(o, hidden_states)
 
     # -----------------------------------------------------------------------------------------
     # Stages
     # -----------------------------------------------------------------------------------------
 
-    def _mix_qkv(self, x, conv_state, cu_seqlens):
-        """Projections, causal conv (per sequence) and SiLU.
+    def _split_channels(self, conv_state):
+        """``[N, conv_channels, M]`` -> its q, k, v parts (views)."""
+        return torch.split(conv_state, [self.key_dim, self.key_dim, self.value_dim], dim=1)
 
-        Returns q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` and the projections ``[B, T, conv_channels]``
-        that the caller shifts into ``conv_state`` once the KDA op has accepted its arguments.
+    def _mix_qkv(self, x, contexts, cu_seqlens):
+        """Projections, causal conv (per sequence, left contexts ``contexts`` = q, k, v
+        ``[N, D, W-1]`` tensors or None for zeros) and SiLU.
+
+        Returns q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` and the projections (q, k, v
+        ``[B, T, D]``) that the caller shifts into the conv state once the KDA op has accepted
+        its arguments.
         """
         B, T = x.shape[:2]
         proj = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
         if self.use_short_conv:
-            contexts = [None] * 3
-            if conv_state is not None:
-                contexts = torch.split(conv_state.detach().to(proj[0].dtype),
-                                       [self.key_dim, self.key_dim, self.value_dim], dim=1)
+            contexts = contexts if contexts is not None else [None] * 3
             convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
             mixed = [conv(p, cu_seqlens=cu_seqlens, context=c) for p, conv, c in zip(proj, convs, contexts)]
         else:
@@ -408,6 +481,18 @@ class KimiDeltaAttention(nn.Module):
         H, HV, K = self.num_heads, self.num_v_heads, self.head_dim
         return (mixed[0].view(B, T, H, K), mixed[1].view(B, T, H, K),
                 mixed[2].view(B, T, HV, self.head_v_dim), proj)
+
+    def _kda(self, q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, state_v_first, state_indices):
+        """The layer's KDA op (``mode``) with the gate and beta activations inside it."""
+        common = dict(
+            initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            allow_neg_eigval=self.allow_neg_eigval, lower_bound=self.lower_bound, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias,
+        )
+        if self.mode == "chunk":
+            return chunk_kda(q, k, v, g, beta, safe_gate=self.safe_gate, state_indices=state_indices, **common)
+        return fused_recurrent_kda(q, k, v, g, beta, **common)
 
     def _gate_inputs(self, x):
         """Raw gate ``[B, T, HV, K]`` and beta logits ``[B, T, HV]`` (activated inside the KDA op)."""
@@ -458,7 +543,7 @@ class KimiDeltaAttention(nn.Module):
             mask = mask != 0
         return mask
 
-    def _check_conv_state(self, name, conv_state, N, x) -> None:
+    def _check_conv_state(self, name, conv_state, rows, x, layout) -> None:
         if conv_state is None:
             return
         if not self.use_short_conv:
@@ -467,12 +552,51 @@ class KimiDeltaAttention(nn.Module):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(conv_state).__name__}")
         if conv_state.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be a floating tensor, got {conv_state.dtype}")
-        want = (N, self.conv_channels, self.conv_size - 1)
+        want = (rows, self.conv_channels, self.conv_size - 1)
         if tuple(conv_state.shape) != want:
-            raise ValueError(f"{name} must have shape [N, conv_channels, conv_size - 1] = {list(want)}, "
-                             f"got {list(conv_state.shape)}")
+            raise ValueError(f"{name} must have shape {layout} = {list(want)}, got {list(conv_state.shape)}")
         if conv_state.device != x.device:
             raise ValueError(f"{name} must be on hidden_states' device {x.device}, got {conv_state.device}")
+
+    def _cached_states(self, last, N, x):
+        """Layer ``layer_idx``'s cached ``(recurrent_state, conv windows (q, k, v) or None)``,
+        checked against this call's N sequences."""
+        if last is None:
+            return None, None
+        where = f"past_key_values[{self.layer_idx}]"
+        recurrent = last.get("recurrent_state")
+        if recurrent is not None:
+            want = (N, self.num_v_heads, self.head_v_dim, self.head_dim)
+            if not isinstance(recurrent, torch.Tensor) or recurrent.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{where}['recurrent_state'] must be a floating tensor, got "
+                                f"{getattr(recurrent, 'dtype', type(recurrent).__name__)}")
+            if tuple(recurrent.shape) != want or recurrent.device != x.device:
+                raise ValueError(f"{where}['recurrent_state'] must be [N, HV, V, K] = {list(want)} (value-first, "
+                                 f"one row per sequence of this call) on {x.device}, got {list(recurrent.shape)} "
+                                 f"on {recurrent.device}")
+        windows = last.get("conv_state")
+        if windows is None:
+            return recurrent, None
+        if not self.use_short_conv:
+            raise ValueError(f"{where}['conv_state'] must be None for a layer with use_short_conv=False, "
+                             f"got {type(windows).__name__}")
+        if not isinstance(windows, (tuple, list)) or len(windows) != 3:
+            raise TypeError(f"{where}['conv_state'] must be FLA's (q, k, v) tuple of [N, D, conv_size] tensors, "
+                            f"got {type(windows).__name__}")
+        for part, w, D in zip("qkv", windows, (self.key_dim, self.key_dim, self.value_dim)):
+            if w is None:
+                continue   # FLA 0.6.0 stores Nones after a call without use_cache: zeros
+            if not isinstance(w, torch.Tensor) or w.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{where}['conv_state'] ({part}) must be a floating tensor, got "
+                                f"{getattr(w, 'dtype', type(w).__name__)}")
+            if tuple(w.shape) != (N, D, self.conv_size) or w.device != x.device:
+                raise ValueError(f"{where}['conv_state'] ({part}) must be [N, D, conv_size] = "
+                                 f"{[N, D, self.conv_size]} on {x.device}, got {list(w.shape)} on {w.device}")
+            if w.requires_grad and torch.is_grad_enabled():
+                # kdakit's short convolution does not differentiate its left context
+                raise ValueError(f"{where}['conv_state'] ({part}) requires grad: kdakit's short convolution "
+                                 "does not differentiate the cached context; detach it")
+        return recurrent, list(windows)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, expand_v={self.expand_v}, head_dim={self.head_dim}, "
@@ -501,24 +625,58 @@ def _repad(y, indices, B, T):
     return out.view(B, T, *y.shape[2:])
 
 
+def _conv_windows(old, x, lengths, starts):
+    """Each sequence's last M inputs, oldest first, the old window filling in where the sequence
+    is shorter than M: ``[N, D, M]`` (a new tensor in ``old``'s dtype). ``old`` ``[N, D, M]``,
+    ``x`` ``[B, T, D]`` (sequence n at flat tokens ``starts[n] : starts[n] + lengths[n]``)."""
+    N, D, M = old.shape
+    total = x.shape[0] * x.shape[1]
+    if M == 0 or total == 0:
+        return old.detach().clone()
+    flat = x.detach().reshape(total, D)    # a view: x is a projection's contiguous output
+    rel = lengths[:, None] - M + torch.arange(M, device=x.device)          # [N, M] position in sequence
+    tok = flat[(starts[:, None] + rel.clamp(min=0)).clamp(max=total - 1)]  # [N, M, D], used where rel >= 0
+    col = (M + rel).clamp(0, M - 1)                                         # old column, used where rel < 0
+    prev = torch.gather(old.detach(), 2, col[:, None, :].expand(N, D, M))
+    return torch.where((rel >= 0)[:, None, :], tok.transpose(1, 2).to(old.dtype), prev)
+
+
 @torch.no_grad()
-def _update_conv_state(conv_state, x, lengths, cu_seqlens, keep):
-    """Shift each sequence's inputs into its conv state: afterwards row n holds the last ``W-1``
-    inputs of the old context followed by sequence n's tokens. ``x`` ``[B, T, C]``."""
-    N, C, Wm1 = conv_state.shape
-    B, T = x.shape[:2]
-    if Wm1 == 0 or B * T == 0:
-        return
-    flat = x.reshape(B * T, C)
-    starts = cu_seqlens[:-1].long() if cu_seqlens is not None else torch.arange(N, device=x.device) * T
-    rel = lengths[:, None] - Wm1 + torch.arange(Wm1, device=x.device)    # [N, W-1] position in sequence
-    tok = flat[(starts[:, None] + rel.clamp(min=0)).clamp(max=B * T - 1)]  # [N, W-1, C], used where rel >= 0
-    ctx_col = (Wm1 + rel).clamp(0, Wm1 - 1)                               # used where rel < 0
-    old = torch.gather(conv_state, 2, ctx_col[:, None, :].expand(N, C, Wm1)).transpose(1, 2)
-    new = torch.where((rel >= 0)[..., None], tok.to(conv_state.dtype), old)
-    if keep is not None:
-        new = torch.where(keep[:, None, None], new, conv_state.transpose(1, 2))
-    conv_state.copy_(new.transpose(1, 2))
+def _store_conv_state(conv_state, proj, lengths, starts, rows):
+    """Shift each sequence's projected inputs (q, k, v ``[B, T, D]``) into its conv-state row:
+    row n (``rows[n]`` of a pool, skipped where -1) holds the last ``W-1`` inputs afterwards.
+    Per part, so no T-sized concatenation of the projections is made."""
+    old = conv_state if rows is None else conv_state[rows.clamp(min=0)]
+    splits = [p.shape[-1] for p in proj]
+    new = torch.cat([_conv_windows(o, p, lengths, starts) for o, p in zip(torch.split(old, splits, 1), proj)], 1)
+    if rows is None:
+        conv_state.copy_(new)
+    else:
+        live = rows >= 0
+        conv_state[rows[live]] = new[live]
+
+
+def _seq_starts(B, T, cu_seqlens, device):
+    """Each sequence's first flat token ``[N]`` (long)."""
+    if cu_seqlens is None:
+        return torch.arange(B, device=device, dtype=torch.long) * T
+    return cu_seqlens[:-1].to(device=device, dtype=torch.long)
+
+
+def _check_pool_rows(name, state_indices, P) -> None:
+    """Rows in ``[-1, P)`` before the conv pool is gathered (one host read of the indices; the
+    KDA op checks the rest, duplicates included, before any pool row is written)."""
+    bad = sorted({i for i in state_indices.tolist() if not -1 <= i < P})
+    if bad:
+        raise ValueError(f"{name} must hold pool rows in [-1, P={P}) (-1 = padded), got {bad}")
+
+
+def _check_state_indices(name, state_indices, N) -> None:
+    if not isinstance(state_indices, torch.Tensor) or state_indices.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be an int32 tensor [N], got "
+                        f"{getattr(state_indices, 'dtype', type(state_indices).__name__)}")
+    if state_indices.dim() != 1 or state_indices.shape[0] != N:
+        raise ValueError(f"{name} must have shape [N] = [{N}], got {list(state_indices.shape)}")
 
 
 def _seq_lengths(B, T, cu_seqlens, device):

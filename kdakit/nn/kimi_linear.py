@@ -140,8 +140,7 @@ class KimiLinearKDA(nn.Module):
                              "the ops: see kdakit.nn.kimi_linear)")
         if attention_mask is not None and attention_mask.dim() != 2:
             attention_mask = kwargs.get("padding_mask")     # as the remote code does with 4-D masks
-        out, _ = self.layer(hidden_states, attention_mask=attention_mask, cu_seqlens=kwargs.get("cu_seqlens"))
-        return out
+        return self.layer(hidden_states, attention_mask=attention_mask, cu_seqlens=kwargs.get("cu_seqlens"))[0]
 
 
 def swap_kimi_linear_kda(model: nn.Module) -> int:
