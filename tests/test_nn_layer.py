@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdakit.nn import KimiDeltaAttention
+from kdakit.nn import KimiDeltaAttention, gated_norm
 from kdakit.ops.kda.naive import naive_recurrent_kda
 from kdakit.testing import assert_close
 
@@ -333,3 +333,25 @@ def test_bad_call_arguments_raise():
     no_conv = make_layer(83, num_heads=2, use_short_conv=False)
     with pytest.raises(ValueError, match="conv_state"):
         no_conv(x, conv_state=conv_ok)
+
+
+def test_gated_rmsnorm_blocks_and_gradients(monkeypatch):
+    """The blockwise autograd function equals the plain fp64 formula, values and every gradient,
+    across block boundaries (BLOCK_ROWS made small), and saves only its inputs and rstd."""
+    monkeypatch.setattr(gated_norm, "BLOCK_ROWS", 5)
+    norm = gated_norm.GatedRMSNorm(8, eps=1e-5).double()
+    with torch.no_grad():
+        norm.weight.copy_(rand(8, seed=91))
+    x = rand(2, 7, 3, 8, seed=92).requires_grad_()
+    gate = rand(2, 7, 3, 8, seed=93).requires_grad_()
+    out = norm(x, gate)
+    saved = out.grad_fn.saved_tensors      # x, gate, weight and the per-row rstd, nothing T-sized in fp32
+    assert sum(t.numel() for t in saved) == 2 * x.numel() + 8 + 2 * 7 * 3
+    want = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * norm.weight * torch.sigmoid(gate)
+    assert_close("gated rmsnorm", want, out, 1e-13)
+    dout = rand(2, 7, 3, 8, seed=94)
+    got = torch.autograd.grad((out * dout).sum(), [x, gate, norm.weight])
+    ref = torch.autograd.grad((want * dout).sum(), [x, gate, norm.weight])
+    for name, a, b in zip(["x", "gate", "weight"], ref, got):
+        assert float(a.abs().max()) > 0
+        assert_close(f"d{name}", a, b, 1e-12)

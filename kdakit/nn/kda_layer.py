@@ -69,6 +69,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kdakit.nn.cache import KDACache, read_layer_state
+from kdakit.nn.gated_norm import GatedRMSNorm
 from kdakit.nn.short_conv import ShortConvolution
 from kdakit.ops.kda.chunk import chunk_kda
 from kdakit.ops.kda.decode import kda_decode
@@ -84,22 +85,6 @@ A_INIT_MIN, A_INIT_MAX = 1.0, 16.0
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
 # Parameters that chunk_kda / kda_decode need in float32 whatever the module's dtype.
 FP32_PARAMS = ("A_log", "dt_bias")
-
-
-class GatedRMSNorm(nn.Module):
-    """``rmsnorm(x) * weight * sigmoid(gate)`` over the last dimension, computed in fp32
-    (FLA's ``FusedRMSNormGated(activation="sigmoid")``; its state dict holds ``weight`` only)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        xf = x.to(dt)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(dt) * torch.sigmoid(gate.to(dt))).to(x.dtype)
 
 
 class KimiDeltaAttention(nn.Module):
