@@ -1,6 +1,9 @@
 """KDA operators: the naive definition, the chunked op (Triton on CUDA), the recurrent op,
 the serving decode step and the execution plan."""
 
+# custom_ops registers torch.ops.kdakit.* (what torch.compile traces); imported first so the ops exist
+# whichever kdakit module a caller imports (this package's __init__ runs before any of them)
+from kdakit.ops.kda import custom_ops  # noqa: F401
 from kdakit.ops.kda.chunk import chunk_kda
 from kdakit.ops.kda.decode import kda_decode
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda

@@ -22,6 +22,7 @@ import torch
 from kdakit.distributed.cp import chunk_kda_cp
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.chunk_reference import chunked_kda_reference, chunked_kda_reference_states
+from kdakit.ops.kda.compiled import chunk_kda_via_op
 from kdakit.ops.kda.state_pool import gather_pool_rows, scatter_pool_rows, zero_padded_outputs
 from kdakit.ops.kda.validate import check_state_pool, flat_gate_params, validate_kda_inputs
 from kdakit.ops.kda.workspace import check_capturable_offsets, is_capturing
@@ -129,6 +130,17 @@ def chunk_kda(
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (float64
         for float64 inputs) or None. With return_intermediate_states, ``(o, final_state, h)``.
     """
+    if torch.compiler.is_compiling():
+        # torch.compile traces the registered op torch.ops.kdakit.chunk_kda, not this Python (compiled.py)
+        return chunk_kda_via_op(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+            return_intermediate_states=return_intermediate_states, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs,
+            A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size, checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+            state_indices=state_indices, transpose_state_layout=transpose_state_layout, check_indices=check_indices)
     fla_opts = {"disable_recompute": disable_recompute, "use_graph": use_graph, "max_num_seqs": max_num_seqs}
     for name, default in _UNSUPPORTED_FLA_OPTIONS.items():
         if fla_opts[name] != default:

@@ -44,6 +44,7 @@ import triton.language as tl
 
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.chunk_common import gate_mode, round_to_bf16, round_to_bf16_if, seq_bounds
+from kdakit.ops.kda.compiled import kda_decode_via_op
 from kdakit.ops.kda.recurrent_forward import (
     beta_mode,
     beta_value,
@@ -368,6 +369,15 @@ def kda_decode(
     Returns:
         o ``[B, T, HV, V]`` in v's dtype (zeros for padded sequences).
     """
+    if torch.compiler.is_compiling():
+        # torch.compile traces the registered op torch.ops.kdakit.kda_decode, not this Python (compiled.py)
+        return kda_decode_via_op(
+            q, k, v, g, beta, state_pool, state_indices, A_log=A_log, dt_bias=dt_bias, scale=scale,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            lower_bound=lower_bound, safe_gate=safe_gate, cu_seqlens=cu_seqlens,
+            num_accepted_tokens=num_accepted_tokens, out=out, check_indices=check_indices, workspace=workspace,
+            cu_seqlens_cpu=cu_seqlens_cpu)
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     backend = select_backend(device)
     opts = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,

@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from kdakit.ops.kda.backend import select_backend
+from kdakit.ops.kda.compiled import fused_recurrent_kda_via_op
 from kdakit.ops.kda.decode import fused_recurrent_kda_serving
 from kdakit.ops.kda.naive import naive_recurrent_kda
 from kdakit.ops.kda.recurrent_backward import run_recurrent_backward
@@ -208,6 +209,17 @@ def fused_recurrent_kda(
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (float64 on
         the PyTorch path for float64 inputs) or None.
     """
+    if torch.compiler.is_compiling():
+        # torch.compile traces the registered ops torch.ops.kdakit.*, not this Python (compiled.py)
+        return fused_recurrent_kda_via_op(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, safe_gate=safe_gate, out=out, final_state_out=final_state_out, workspace=workspace,
+            segment_tokens=segment_tokens, ssm_state_indices=ssm_state_indices,
+            num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state,
+            check_indices=check_indices, cu_seqlens_cpu=cu_seqlens_cpu, kwargs=kwargs)
     if "transpose_state_layout" in kwargs:
         warnings.warn("transpose_state_layout is deprecated; use state_v_first", DeprecationWarning, stacklevel=2)
         if state_v_first:
