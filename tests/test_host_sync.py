@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.overrides import resolve_name
 
-from kdakit import chunk_kda
+from kdakit import chunk_kda, fused_recurrent_kda, kda_decode
 from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.ops.kda.validate import validate_kda_inputs
 from kdakit.testing import make_kda_inputs, run_kda
@@ -254,3 +254,163 @@ def test_gpu_call_does_not_synchronize(packed):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+# --- state pools, kda_decode and fused_recurrent_kda (issue #13 item 5) -------------------------
+
+_SCALAR_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy", "cpu",
+                 "__array__"}
+
+
+class DeviceValues(torch.Tensor):
+    """Values that live on the device: every tensor computed from one is one too (torch's subclass
+    propagation), and bringing any of their values to the host raises: a scalar read (``item``,
+    ``tolist``, ``bool``, ``int``...), ``numpy`` or a ``.cpu()`` / ``.to("cpu")`` transfer, which is
+    every way the ops read a value back. Device-side work on them (indexing, where, a kernel
+    launch) is allowed. Stands for state pools and index tensors."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = resolve_name(func) or repr(func)
+        attr = name.removeprefix("torch.Tensor.")
+        to_host = attr == "to" and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values()))
+        if attr in _SCALAR_READS or to_host:
+            raise HostReadError(f"a device value was brought to the host: {name}")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _dev(x: torch.Tensor) -> DeviceValues:
+    return x.clone().as_subclass(DeviceValues)
+
+
+def _host(x):
+    return None if x is None else x.as_subclass(torch.Tensor)
+
+
+def test_device_values_probe_catches_reads_and_lets_device_work_through():
+    idx = _dev(torch.tensor([2, -1, 0], dtype=torch.int32))
+    rows = torch.arange(12.0).view(3, 4)[idx.long().clamp(min=0)]  # device work: allowed, and tainted
+    assert isinstance(rows, DeviceValues)
+    for read in (lambda: idx.tolist(), lambda: int(idx[0]), lambda: bool((idx >= 0).all()), lambda: rows.sum().item(),
+                 lambda: idx.cpu(), lambda: idx.to("cpu")):
+        with pytest.raises(HostReadError):
+            read()
+
+
+def _pool_prefill(seqlens, check_indices, guard, dtype=torch.float64):
+    inp = _inputs(dtype=dtype, seqlens=seqlens, initial_state="vk")
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    kw = {n: x for n, x in inp["kwargs"].items() if n not in ("output_final_state", "state_v_first")}
+    cu = kw["cu_seqlens"]
+    pool = torch.randn(6, 2, 16, 16, dtype=torch.float32, generator=torch.Generator().manual_seed(8))
+    idx = torch.tensor([4, -1, 0, 2][:len(seqlens)], dtype=torch.int32)
+    if guard:
+        pool, idx, kw["cu_seqlens"] = _dev(pool), _dev(idx), _guarded(cu)
+    kw["cu_seqlens_cpu"] = cu.clone()
+    o, _ = chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                     initial_state=pool, state_indices=idx, check_indices=check_indices, state_v_first=True, **kw)
+    return _host(o), _host(pool)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chunk_kda_pool_without_index_check_reads_nothing(monkeypatch, backend):
+    """check_indices=False with cu_seqlens_cpu: pool, indices and cu_seqlens are device values and
+    none is read on the host; o and the pool equal the checked call's bits (a padded sequence,
+    an empty one)."""
+    if backend == "triton" and not triton_interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU tier)")
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    seqlens = (9, 5, 0, 14)
+    with pytest.raises(HostReadError, match="tolist"):  # the probe sees the index check's read
+        _pool_prefill(seqlens, check_indices=True, guard=True, dtype=dtype)
+    o_ref, pool_ref = _pool_prefill(seqlens, check_indices=True, guard=False, dtype=dtype)
+    o_got, pool_got = _pool_prefill(seqlens, check_indices=False, guard=True, dtype=dtype)
+    assert torch.equal(o_ref, o_got) and torch.equal(pool_ref, pool_got)
+    assert torch.equal(o_got[:, 9:14], torch.zeros_like(o_got[:, 9:14])) and o_got[:, :9].abs().sum() > 0
+
+
+def _decode_case(seed=6):
+    inp = make_kda_inputs(T=5, H=1, HV=2, K=16, V=16, dtype=torch.float32, gate="safe", seqlens=[2, 0, 3],
+                          generator=torch.Generator().manual_seed(seed))
+    t = {n: x.detach() for n, x in inp["tensors"].items()}
+    kw = {n: x for n, x in inp["kwargs"].items() if n not in ("output_final_state", "state_v_first")}
+    pool = torch.randn(7, 2, 16, 16, generator=torch.Generator().manual_seed(seed + 1))
+    return t, kw, pool
+
+
+def _decode(t, kw, pool, idx, **extra):
+    o = kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, A_log=t["A_log"], dt_bias=t["dt_bias"],
+                   **dict(kw, **extra))
+    return _host(o)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kda_decode_with_cu_seqlens_cpu_reads_nothing(monkeypatch, backend):
+    """kda_decode with cu_seqlens_cpu reads no offset (both backends); on the kernels with
+    check_indices=False it reads no index or pool value either. Per-token rows [N, S] with
+    num_accepted_tokens, a padded sequence; same bits as the checked call."""
+    if backend == "triton" and not triton_interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU tier)")
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    t, kw, pool0 = _decode_case()
+    cu = kw["cu_seqlens"]
+    rows = torch.tensor([[1, 2, -1], [-1, -1, -1], [3, 4, 5]], dtype=torch.int32)
+    acc = torch.tensor([2, 1, 1], dtype=torch.int32)
+    ref_pool = pool0.clone()
+    ref = _decode(t, kw, ref_pool, rows, num_accepted_tokens=acc)
+    with pytest.raises(HostReadError):  # without the host copy the offsets are read
+        _decode(dict(t), dict(kw, cu_seqlens=_guarded(cu)), pool0.clone(), rows, num_accepted_tokens=acc)
+    got_pool = pool0.clone()
+    got = _decode(t, dict(kw, cu_seqlens=_guarded(cu)), got_pool, rows, num_accepted_tokens=acc, cu_seqlens_cpu=cu)
+    assert torch.equal(ref, got) and torch.equal(ref_pool, got_pool)
+    if backend == "triton":
+        pool = _dev(pool0)
+        got = _decode(t, dict(kw, cu_seqlens=_guarded(cu)), pool, _dev(rows), num_accepted_tokens=_dev(acc),
+                      cu_seqlens_cpu=cu, check_indices=False)
+        assert torch.equal(ref, got) and torch.equal(ref_pool, _host(pool))
+    assert not torch.equal(ref_pool, pool0) and torch.equal(ref_pool[[0, 6]], pool0[[0, 6]])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_recurrent_with_cu_seqlens_cpu_reads_nothing(monkeypatch, backend):
+    """fused_recurrent_kda (plain, and with FLA's serving arguments in place) with cu_seqlens_cpu:
+    no offset is read; on the kernels with check_indices=False, no index or pool value either."""
+    if backend == "triton" and not triton_interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU tier)")
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    t, kw, pool0 = _decode_case(seed=11)
+    cu = kw["cu_seqlens"]
+    h0 = pool0[:3].clone()
+
+    def plain(**extra):
+        o, ht = fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                                    initial_state=h0, output_final_state=True, state_v_first=True,
+                                    **dict(kw, **extra))
+        return _host(o), _host(ht)
+
+    ref = plain()
+    with pytest.raises(HostReadError):
+        plain(cu_seqlens=_guarded(cu))
+    got = plain(cu_seqlens=_guarded(cu), cu_seqlens_cpu=cu.clone())
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+
+    rows = torch.tensor([[1, 2, -1], [0, -1, -1], [3, 4, 5]], dtype=torch.int32)
+
+    def serving(pool, idx, **extra):
+        o, _ = fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                                   initial_state=pool, ssm_state_indices=idx, inplace_final_state=True,
+                                   state_v_first=True, **dict(kw, **extra))
+        return _host(o)
+
+    ref_pool = pool0.clone()
+    ref_o = serving(ref_pool, rows)
+    got_pool = pool0.clone()
+    got_o = serving(got_pool, rows, cu_seqlens=_guarded(cu), cu_seqlens_cpu=cu.clone())
+    assert torch.equal(ref_o, got_o) and torch.equal(ref_pool, got_pool)
+    if backend == "triton":
+        pool = _dev(pool0)
+        got_o = serving(pool, _dev(rows), cu_seqlens=_guarded(cu), cu_seqlens_cpu=cu.clone(), check_indices=False)
+        assert torch.equal(ref_o, got_o) and torch.equal(ref_pool, _host(pool))
+    assert not torch.equal(ref_pool, pool0) and torch.equal(ref_pool[6], pool0[6])

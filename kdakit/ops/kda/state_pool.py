@@ -44,7 +44,7 @@ def zero_padded_outputs(o, valid, host, offsets):
         # token -> its sequence, sized by o's T so that no device value decides a shape
         lengths = (offsets[1:] - offsets[:-1]).long()
         seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=o.device), lengths, output_size=o.shape[1])
-        keep = valid.to(o.device)[seq].view(1, -1, 1, 1)
+        keep = valid[seq].view(1, -1, 1, 1)  # the indices live on q's device (check_state_pool)
     return torch.where(keep, o, torch.zeros((), dtype=o.dtype, device=o.device))
 
 
