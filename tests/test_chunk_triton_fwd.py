@@ -392,16 +392,17 @@ def test_plan_floor_matches_spec_formula():
 
 def test_plan_checkpoints_and_workspace_bytes():
     p = plan_kda(seqlens=[8192], H=96, K=128)
-    assert p.checkpoint_every_n_tokens == 2048 and p.recompute_every_n_tokens == 256
-    assert p.num_checkpoints == 4
-    assert p.checkpoint_bytes == 4 * 96 * 128 * 128 * 4
+    # bf16 checkpoints every 512 tokens: the densest cadence within 1.10x the floor (256 would be 1.103x)
+    assert p.checkpoint_every_n_tokens == 512 and p.recompute_every_n_tokens == 256
+    assert p.num_checkpoints == 16 and p.checkpoint_dtype == torch.bfloat16
+    assert p.checkpoint_bytes == 16 * 96 * 128 * 128 * 2
     assert p.saved_bytes == p.checkpoint_bytes + 512  # + the int64 row offsets
     # windowed backward: parameter partials per (item, chunk of a window), the fp32 state-gradient
-    # carry, fp32 starts of windows 1..7 of a segment, bf16 per-chunk states and state gradients
+    # carry, the fp32 start of window 1 of a segment, bf16 per-chunk states and state gradients
     KV = 128 * 128
     partials = 96 * 16 * 4 + 96 * 16 * 128 * 4
-    ws = partials + 96 * KV * 4 + 96 * 7 * KV * 4 + 2 * 96 * 16 * KV * 2
-    assert p.backward_workspace_bytes == p.workspace_bytes == ws == 151787520
+    ws = partials + 96 * KV * 4 + 96 * 1 * KV * 4 + 2 * 96 * 16 * KV * 2
+    assert p.backward_workspace_bytes == p.workspace_bytes == ws == 114038784
     # The peak is the backward kernel: everything but dA_log and ddt_bias (summed after the
     # workspace is freed) is live then.
     params_grads = 512 + 96 * 128 * 4

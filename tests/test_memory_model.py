@@ -286,3 +286,31 @@ def test_fla_replay_matches_fla_host_allocations(mbs, seq, heads, dim, monkeypat
     # After the step: O and the seven gradients remain.
     T, D = mbs * seq, dim
     assert got["end_above_start"] == 5 * T * heads * D * 2 + T * heads * 2 + heads * 4 + heads * D * 4
+
+
+@pytest.mark.parametrize("B,T,H,dtype,cadence,ckpt_dtype", [
+    (1, 8192, 96, torch.bfloat16, 512, torch.bfloat16),
+    (8, 8192, 16, torch.bfloat16, 512, torch.bfloat16),
+    (1, 131072, 96, torch.bfloat16, 256, torch.bfloat16),
+    (1, 8192, 96, torch.float16, 1024, torch.float32),
+    (1, 8192, 96, torch.float32, 512, torch.float32),
+    (1, 1024, 96, torch.bfloat16, 1024, torch.bfloat16),  # no denser cadence fits: the default
+])
+def test_default_cadence_is_the_densest_within_the_peak_budget(B, T, H, dtype, cadence, ckpt_dtype):
+    from kdakit.ops.kda.plan import DENSE_CHECKPOINT_TOKENS, PEAK_BUDGET, plan_kda
+
+    cu = [i * T for i in range(B + 1)]
+    p = plan_kda(T=B * T, H=H, K=128, dtype=dtype, cu_seqlens=cu)
+    assert (p.checkpoint_every_n_tokens, p.checkpoint_dtype) == (cadence, ckpt_dtype)
+    assert p.num_checkpoints == B * -(-T // cadence)
+    default = min(2048, T)
+    within = p.predicted_peak_bytes <= PEAK_BUDGET * p.floor_bytes
+    assert within == (cadence < default), (p.predicted_peak_bytes / p.floor_bytes)
+    for denser in (c for c in DENSE_CHECKPOINT_TOKENS if c < cadence):
+        q = plan_kda(T=B * T, H=H, K=128, dtype=dtype, cu_seqlens=cu, checkpoint_every_n_tokens=denser)
+        assert q.predicted_peak_bytes > PEAK_BUDGET * q.floor_bytes, denser
+    # An explicit cadence is kept; the torch backend keeps the plain default.
+    assert plan_kda(T=B * T, H=H, K=128, dtype=dtype, cu_seqlens=cu,
+                    checkpoint_every_n_tokens=2048).checkpoint_every_n_tokens == 2048
+    assert plan_kda(T=B * T, H=H, K=128, dtype=dtype, cu_seqlens=cu,
+                    backend="torch").checkpoint_every_n_tokens == default

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from kdakit import chunk_kda, fused_recurrent_kda, kda_decode, naive_recurrent_kda, plan_kda
+from kdakit.ops.kda.plan import DENSE_CHECKPOINT_TOKENS, PEAK_BUDGET
 from kdakit.testing import SPEC_RMS_LIMITS, assert_close
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -520,8 +521,14 @@ def test_plan_kda_invariants(kw):
     assert p.seqlens == tuple(lengths) and p.num_sequences == len(lengths)
     L = p.checkpoint_every_n_tokens
     assert L > 0 and L % 16 == 0 and L == kw.get("checkpoint_every_n_tokens", L)
-    if "checkpoint_every_n_tokens" not in kw and max(lengths, default=0) <= 2048:
-        assert all(n <= L for n in lengths), "the default cadence keeps one checkpoint per sequence up to 2048"
+    if "checkpoint_every_n_tokens" not in kw:
+        # The default: one checkpoint per sequence up to 2048 tokens, or a denser cadence that the plan
+        # took because its predicted peak stays within the budget (triton only).
+        dense = p.predicted_peak_bytes <= PEAK_BUDGET * p.floor_bytes and kw["backend"] == "triton"
+        if max(lengths, default=0) <= 2048 and not (dense and L in DENSE_CHECKPOINT_TOKENS):
+            assert all(n <= L for n in lengths), "the default cadence keeps one checkpoint per sequence up to 2048"
+        if L < min(2048, max(lengths, default=0)):
+            assert dense and L in DENSE_CHECKPOINT_TOKENS, "a cadence below the default only within the budget"
     assert L % p.recompute_every_n_tokens == 0 and 256 % p.recompute_every_n_tokens == 0
     assert p.num_checkpoints == sum(math.ceil(n / L) for n in lengths)
     assert p.num_chunks == sum(math.ceil(n / 16) for n in lengths)

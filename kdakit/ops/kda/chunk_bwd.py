@@ -10,7 +10,8 @@ Measured on the H200 (1x8K, H = HV = 96, K = V = 128, bf16, SPEC §3 flags; ``do
 the backward takes ~36 ms (window starts 4.3, window states 12.6, gradients 19.4), where the previous
 one-program-per-(sequence, head) streaming kernel took 61 ms.
 
-Layouts and limits: token-major contiguous inputs, fp32 checkpoints ``[rows, HV, K, V]``,
+Layouts and limits: token-major contiguous inputs, checkpoints ``[rows, HV, K, V]`` in
+``plan.checkpoint_dtype`` (bf16 for bf16 inputs),
 K, V <= 128, int64 offsets.
 """
 
@@ -49,7 +50,8 @@ def chunk_kda_bwd(
 
     Shapes: q, k ``[B, T, H, K]``; v, do ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]``
     (all contiguous, same dtype); dht ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``)
-    or None; checkpoints fp32 ``[plan.num_checkpoints, HV, K, V]`` (layout of ``plan.py``).
+    or None; checkpoints ``[plan.num_checkpoints, HV, K, V]`` in ``plan.checkpoint_dtype`` (layout of
+    ``plan.py``).
     ``plan`` supplies ``checkpoint_every_n_tokens`` (L), ``recompute_every_n_tokens`` (L2: the
     window) and ``seqlens``; ``ckpt_offsets`` (int64 ``[N + 1]``, on the device) is computed when
     not given. ``stage_dtype`` stores the per-chunk state and state-gradient slots; None picks
@@ -74,10 +76,10 @@ def chunk_kda_bwd(
     if plan.chunk_size != C or L % L2 or L2 % C:
         raise ValueError(f"plan must have chunk_size {C} and L2 | L with C | L2, got chunk {plan.chunk_size}, "
                          f"L={L}, L2={L2}")
-    if checkpoints.dtype != torch.float32 or tuple(checkpoints.shape[1:]) != (HV, K, V) \
+    if checkpoints.dtype != plan.checkpoint_dtype or tuple(checkpoints.shape[1:]) != (HV, K, V) \
             or not checkpoints.is_contiguous():
-        raise ValueError(f"checkpoints must be contiguous fp32 [rows, {HV}, {K}, {V}], got "
-                         f"{checkpoints.dtype} {list(checkpoints.shape)}")
+        raise ValueError(f"checkpoints must be contiguous {plan.checkpoint_dtype} [rows, {HV}, {K}, {V}] (the plan's "
+                         f"checkpoint dtype), got {checkpoints.dtype} {list(checkpoints.shape)}")
     if checkpoints.shape[0] != plan.num_checkpoints:
         raise ValueError(f"checkpoints must have plan.num_checkpoints={plan.num_checkpoints} rows, "
                          f"got {checkpoints.shape[0]}")

@@ -18,7 +18,7 @@ Pairwise matrices: SAFE (``safe_gate``: a >= -5) factors E through a mid-chunk r
 tiles, never ``exp(-G)``, so log-decays of -1000 stay finite.
 
 Layouts: q, k ``[B, T, H, K]``; v, dO ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]``, all
-contiguous (token-major); checkpoints fp32 ``[rows, HV, K, V]``; dht / dh0 in the state layout
+contiguous (token-major); checkpoints ``[rows, HV, K, V]`` (``plan.checkpoint_dtype``); dht / dh0 in the state layout
 (K-major or ``state_v_first``), read and written through strides.
 Limits: K, V <= 128 (powers of two are fastest; others are masked). Offsets are int64.
 """

@@ -40,7 +40,7 @@ Layouts: q, k ``[B, T, H, K]``; v, o ``[B, T, HV, V]``; g ``[B, T, HV, K]``; bet
 ``[B, T, HV]`` (all contiguous, token-major); packed sequences via ``cu_seqlens`` (B = 1);
 value head ``hv`` reads q/k head ``hv // (HV // H)``. Initial state fp32 or bf16 in either
 layout (read through its strides); final state fp32 in the requested layout. Checkpoints:
-fp32 ``[num_checkpoints, HV, K, V]`` (K-major), row ``offsets[n] + j`` is sequence n's state
+``[num_checkpoints, HV, K, V]`` (K-major) in ``plan.checkpoint_dtype`` (bf16 for bf16 training), row ``offsets[n] + j`` is sequence n's state
 before its token ``j * L`` (``plan.checkpoint_offsets``). All addressing is int64.
 
 Limits: K, V <= 128 (other sizes are padded to a power of two >= 16 by masking).
@@ -387,7 +387,7 @@ def chunk_kda_fwd(
     plan: KDAPlan | None = None,
     save_checkpoints: bool = True,
     ckpt_offsets: torch.Tensor | None = None,
-    checkpoint_dtype: torch.dtype = torch.float32,
+    checkpoint_dtype: torch.dtype | None = None,
     checkpoint_v_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Run the chunked KDA forward kernels on validated inputs.
@@ -399,7 +399,8 @@ def chunk_kda_fwd(
 
     Returns ``o`` ``[B, T, HV, V]`` in v's dtype, the final state (fp32, requested layout)
     or None, and the checkpoints ``[plan.num_checkpoints, HV, K, V]`` (``[.., V, K]`` with
-    checkpoint_v_first) in ``checkpoint_dtype`` (fp32 for the backward; the token dtype for
+    checkpoint_v_first) in ``checkpoint_dtype`` (None: the plan's, ``training_checkpoint_dtype`` for the
+    backward; the token dtype for
     ``chunk_kda(..., return_intermediate_states=True)``, which is FLA's h at a 64-token cadence) or
     None (see ``plan.checkpoint_offsets`` for their rows). ``plan`` defaults to ``plan_kda`` of the
     shapes (it fixes the checkpoint cadence and the V block). ``ckpt_offsets`` (int64
@@ -440,6 +441,8 @@ def chunk_kda_fwd(
     ckpts = offsets = None
     if save_checkpoints:
         offsets = ckpt_offsets if ckpt_offsets is not None else plan.checkpoint_offsets(dev)
+        if checkpoint_dtype is None:
+            checkpoint_dtype = plan.checkpoint_dtype
         if checkpoint_dtype != plan.checkpoint_dtype:
             raise ValueError(f"checkpoint_dtype {checkpoint_dtype} differs from the plan's {plan.checkpoint_dtype}")
         ckpts = torch.empty((plan.num_checkpoints, HV, V, K) if checkpoint_v_first else

@@ -30,7 +30,7 @@ class ChunkKDATritonFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, seqlens, scale, output_final_state,
                 checkpoint_every_n_tokens, flags: dict):
         # seqlens: cu_seqlens's lengths as validation read them (no second device read here).
-        plan = _plan(q, v, A_log, initial_state, seqlens, output_final_state, checkpoint_every_n_tokens, torch.float32)
+        plan = _plan(q, v, A_log, initial_state, seqlens, output_final_state, checkpoint_every_n_tokens, None)
         ctx.opts64 = None
         if requested_chunk_pipeline() == "chunk64":
             ctx.opts64 = chunk64_options(

@@ -31,8 +31,8 @@ and dO exist before the call; the launchers ``chunk_fwd.chunk_kda_fwd`` and
   backward workspace by: the GVA partials, or slightly negative without GVA (dA_log and
   ddt_bias are allocated after the workspace is freed).
 
-Checkpoint layout (shared with the kernels): fp32 ``[num_checkpoints, HV, K, V]`` (always
-K-major); sequence n's checkpoint j is the state before its token ``j * L`` and sits at row
+Checkpoint layout (shared with the kernels): ``[num_checkpoints, HV, K, V]`` (always K-major) in
+``plan.checkpoint_dtype`` (``training_checkpoint_dtype``: bf16 for bf16 inputs, else fp32); sequence n's checkpoint j is the state before its token ``j * L`` and sits at row
 ``offsets[n] + j`` with ``offsets = checkpoint_offsets(...)`` (int64 ``[N + 1]``);
 ``ceil(len_n / L)`` checkpoints per sequence (none for an empty one).
 """
@@ -49,6 +49,12 @@ import torch
 CHUNK_SIZE = 16
 DEFAULT_CHECKPOINT_TOKENS = 2048
 DEFAULT_RECOMPUTE_TOKENS = 256
+# The default cadence is the densest of these whose predicted peak stays within PEAK_BUDGET x the floor
+# (the SPEC's allocated-memory target). At L = 256 (= the backward's window) the backward's window-start
+# stage has nothing to do: forward+backward 28.9 ms at L = 2048, 27.3 at 512 (the stage walks half the
+# tokens), 25.3 at 256 (H200, 1x8K H96, fp32 checkpoints). Windows are 256 tokens, so 256 is the densest.
+DENSE_CHECKPOINT_TOKENS = (256, 512, 1024)
+PEAK_BUDGET = 1.10
 H200_SMS = 132
 _ALLOC_ROUND = 512
 
@@ -238,6 +244,13 @@ def default_checkpoint_tokens(max_len: int) -> int:
     return min(DEFAULT_CHECKPOINT_TOKENS, longest)
 
 
+def training_checkpoint_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the checkpoints saved for backward: bf16 for bf16 inputs (the backward's per-chunk state
+    slots are bf16 there already, as FLA's per-chunk states are; a checkpoint only starts a <= 256-token
+    recompute), fp32 otherwise (fp16's range is too narrow for states, fp32 inputs ask for fp32)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def choose_block_v(programs: int, V: int, num_sms: int = H200_SMS) -> int:
     """Forward V block for ``programs`` (sequence, value head) pairs.
 
@@ -261,7 +274,7 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
              checkpoint_every_n_tokens: int | None = None, initial_state: bool = False,
              initial_state_dtype: torch.dtype = torch.float32, output_final_state: bool = False,
              gate_params: bool = True, backend: str = "triton", block_v: int | None = None,
-             num_sms: int = H200_SMS, checkpoint_dtype: torch.dtype = torch.float32) -> KDAPlan:
+             num_sms: int = H200_SMS, checkpoint_dtype: torch.dtype | None = None) -> KDAPlan:
     """Plan a ``chunk_kda`` training call (forward + backward) from shapes alone.
 
     Shapes come from tensors ``q`` ``[B, T, H, K]`` and ``v`` ``[B, T, HV, V]`` (metadata only)
@@ -269,8 +282,11 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
     (default: q's, else bf16). Packed sequences: ``seqlens`` (list of lengths, B = 1) or
     ``cu_seqlens`` (list or tensor). ``initial_state`` / ``output_final_state`` say whether
     those state tensors exist; ``gate_params`` whether fp32 ``A_log [HV]`` and
-    ``dt_bias [HV*K]`` are inputs (and get gradients). ``checkpoint_dtype``: fp32 for training; the
-    token dtype when the checkpoints are ``return_intermediate_states``'s h. ``backend`` is 'triton' (exact model)
+    ``dt_bias [HV*K]`` are inputs (and get gradients). ``checkpoint_dtype``: None for training
+    (``training_checkpoint_dtype`` of the token dtype); the token dtype when the checkpoints are
+    ``return_intermediate_states``'s h. ``checkpoint_every_n_tokens`` None: the densest of
+    ``DENSE_CHECKPOINT_TOKENS`` whose predicted peak is within ``PEAK_BUDGET`` x the floor, else
+    ``default_checkpoint_tokens``. ``backend`` is 'triton' (exact model)
     or 'torch' (the PyTorch path: checkpoints and floor only, ``peak_model = 'lower bound'``).
     """
     if backend not in ("triton", "torch"):
@@ -290,6 +306,8 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
     V = K if V is None else int(V)
     H, K = int(H), int(K)
     dtype = dtype or torch.bfloat16
+    if checkpoint_dtype is None:
+        checkpoint_dtype = training_checkpoint_dtype(dtype)
     if min(H, HV, K, V) <= 0:
         raise ValueError(f"H, HV, K and V must be positive, got H={H}, HV={HV}, K={K}, V={V}")
     if HV % H != 0:
@@ -340,7 +358,17 @@ def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_
         raise ValueError(f"the Triton kernels support K, V <= 128, got K={K}, V={V} (plan_kda(backend='torch') "
                          "prices the PyTorch path)")
 
-    L = default_checkpoint_tokens(max(lengths, default=0)) if checkpoint_every_n_tokens is None else checkpoint_every_n_tokens
+    if checkpoint_every_n_tokens is None:
+        L = default_checkpoint_tokens(max(lengths, default=0))
+        if backend == "triton":
+            for dense in (c for c in DENSE_CHECKPOINT_TOKENS if c < L):
+                p = _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, dense, initial_state,
+                                 initial_state_dtype, output_final_state, gate_params, block_v, num_sms,
+                                 checkpoint_dtype)
+                if p.predicted_peak_bytes <= PEAK_BUDGET * p.floor_bytes:
+                    return p
+    else:
+        L = checkpoint_every_n_tokens
     _check_cadence(L)
     # The backward recomputes in sub-segments of L2 tokens that must tile a segment of L tokens.
     L2 = math.gcd(DEFAULT_RECOMPUTE_TOKENS, L)
