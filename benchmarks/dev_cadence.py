@@ -9,6 +9,7 @@ memory goes after a short warm-up call.
    are written to ``--out-dir`` (``snapshot_<shape>.pickle``, readable with torch.cuda._memory_viz).
 
 Usage: python benchmarks/dev_cadence.py --out-dir DIR [--shape 1x8192:96] [--cadences 2048,512,256] [--snapshot]
+(a cadence of 0 is the plan's default)
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def main() -> None:
     if a.snapshot:
         res["snapshot"] = snapshot(mbs, seq, heads, a.out_dir)
     if a.cadences:
-        res["cadences"] = [cadence_row(mbs, seq, heads, int(c)) for c in a.cadences.split(",")]
+        res["cadences"] = [cadence_row(mbs, seq, heads, int(c) or None) for c in a.cadences.split(",")]  # 0: the plan's
     name = "cadence" if a.cadences else "snapshot"
     with open(os.path.join(a.out_dir, f"{name}_{a.shape.replace(':', '_')}.json"), "w") as f:
         json.dump(res, f, indent=1)
