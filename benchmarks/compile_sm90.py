@@ -1,4 +1,5 @@
-"""Build the 64-token pipeline's Triton kernels for sm_90a without a GPU and print registers and spills.
+"""Build Triton kernels for sm_90a without a GPU and print registers and spills: the 64-token pipeline's,
+and (``--only lean``) the default backward's stage 2 from the window's intermediates.
 
 Usage: python benchmarks/compile_sm90.py [--warps-grads N] [--warps-states N] [--warps-prep N]
 (no TRITON_INTERPRET). The SPEC §3 flags at K = V = 128, bf16: what the H200 will run.
@@ -14,14 +15,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import kdakit.ops.kda.chunk_bwd64 as M
+import kdakit.ops.kda.chunk_bwd_states as LS
+import kdakit.ops.kda.chunk_fwd as F16
 import kdakit.ops.kda.chunk_fwd64 as F
 import kdakit.ops.kda.chunk_prep64 as P
 
 TOK = {"q", "k", "v", "g", "beta", "do", "o", "u", "dq", "dk", "dv", "dg", "dbeta", "tinv", "hs", "dhs", "w", "kd", "aqk",
-       "akk", "qg"}
-UNALIGNED = {"stride_alog", "stride_bias", "seq_len"}  # element strides of 1
+       "akk", "qg", "ckpt", "ws_s", "ws_ds", "uo"}
+UNALIGNED = {"stride_alog", "stride_bias", "seq_len", "s_c_v", "win", "lower_bound"}  # element strides of 1
 F32_EXTRA = {"inter", "dA2", "db_buf", "dgc_buf"}
-F32 = {"scratch", "A_log", "dt_bias", "dA_part", "dbias_part", "h0", "ht", "dht", "dh0", "egc"}
+F32 = {"scratch", "A_log", "dt_bias", "dA_part", "dbias_part", "h0", "ht", "dht", "dh0", "egc", "gc", "ws_win",
+       "carry"}
 
 
 def build(fn, const, warps, stages=1):
@@ -33,7 +37,7 @@ def build(fn, const, warps, stages=1):
             sig[n] = "*bf16"
         elif n in F32 or n in F32_EXTRA:
             sig[n] = "*fp32"
-        elif n in ("cu_seqlens",):
+        elif n in ("cu_seqlens", "ckpt_off"):
             sig[n] = "*i64"
         elif n in ("chunk_table", "chunk_offsets"):
             sig[n] = "*i32"
@@ -105,6 +109,14 @@ def main():
         build(F.chunk_kda_fwd64_wu_kernel, dict({n: c[n] for n in ("K", "V", "C", "BETA_SIGMOID", "NEG_EIGVAL",
                                                                  "IS_VARLEN", "OP_BF16", "EMULATE_BF16", "DOT_PREC")},
                                                BK=a.intra_bk, BV=64), a.warps_wu)
+    if "lean" in only:
+        build(LS.chunk_kda_bwd_lean_states_kernel, dict(C=16, BK=128, BV=LS.LEAN_BLOCK_V, SUB_CHUNKS=16, N_SUB=2,
+                                                        IS_VARLEN=True, DOT_PREC="tf32", OP_BF16=True,
+                                                        EMULATE_BF16=False, ROUND_STAGE=False), LS.LEAN_NUM_WARPS)
+        build(F16.chunk_kda_fwd_intra_kernel, dict(K=128, V=128, C=16, BK=128, BV=128, BKS=16, GATE=2, HAS_A_LOG=True,
+                                                   HAS_BIAS=True, USE_L2NORM=True, BETA_SIGMOID=True, NEG_EIGVAL=False,
+                                                   SAFE=True, IS_VARLEN=True, DOT_PREC="tf32", EMULATE_BF16=False,
+                                                   WINDOW=True, SUB=16), F16.INTRA_NUM_WARPS)
     if "grads" in only:
         gc = {n: c[n] for n in c if n != "SAFE"}
         build(M.chunk_kda_bwd_state_grads_kernel, dict(gc, BK=128, BV=128, BVS=M.GRADS_BLOCK_V), a.warps_grads)

@@ -28,6 +28,7 @@ import torch
 
 from kdakit.ops.kda.chunk_bwd_reference import chunk_kda_bwd_reference, reference_checkpoints
 from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.plan import backward_workspace_allocations
 from kdakit.testing import assert_close
 
 pytestmark = pytest.mark.skipif(
@@ -279,27 +280,28 @@ class _RecordingTorch:
         return record
 
 
-@pytest.mark.parametrize("h0,gate,L", [(False, True, 64), (True, False, 32)])
-def test_workspace_allocations_are_what_the_launcher_allocates(monkeypatch, h0, gate, L):
+@pytest.mark.parametrize("h0,gate,L,H", [(False, True, 64, 1), (True, False, 32, 2), (False, False, 64, 2)])
+def test_workspace_allocations_are_what_the_launcher_allocates(monkeypatch, h0, gate, L, H):
     import kdakit.ops.kda.chunk_bwd_windowed as bwd
 
-    c = _case(gate=gate, l2=True, H=1, HV=2, lens=[40, 9], h0=h0, dht=True, seed=6)
+    c = _case(gate=gate, l2=True, H=H, HV=2, lens=[40, 9], h0=h0, dht=True, seed=6)
     ckpts, offs = _checkpoints(c, False, L)
     rec = _RecordingTorch()
     monkeypatch.setattr(bwd, "torch", rec)
     _kernel_call(c, ckpts, False, L=L, L2=32 if L == 64 else 16, offsets=offs)
     monkeypatch.undo()
-    want = bwd.backward_workspace_allocations(2, 2, 16, 16, 40, L, [40, 9], torch.float32, initial_state=h0,
-                                              gate_params=gate, recompute_every_n_tokens=32 if L == 64 else 16)
+    want = backward_workspace_allocations(2, 2, 16, 16, 40, L, [40, 9], torch.float32, initial_state=h0,
+                                          gate_params=gate, recompute_every_n_tokens=32 if L == 64 else 16, H=H)
     dh0 = [((2, 2, 16, 16), torch.float32)] if h0 else []  # the state-gradient carry is dh0 itself
     assert sorted(rec.calls, key=str) == sorted([(s, d) for _, s, d in want] + dh0, key=str)
     names = [n for n, _, _ in want]
     assert ("bwd_state_grad_carry" in names) == (not h0) and ("bwd_ddt_bias_partials" in names) == gate
+    # Stage 2 from the window's intermediates (H == HV) adds the per-window Aqk and exp(g_C) slots.
+    assert ("bwd_window_aqk" in names) == ("bwd_window_decay" in names) == (H == 2)
 
 
 def test_workspace_bytes_at_benchmark_shapes():
     """Workspace + checkpoints within the SPEC budget above the floor (190 MB at 1x8K H96, 250 MB at 8x8K H16)."""
-    from kdakit.ops.kda.chunk_bwd_windowed import backward_workspace_allocations
 
     for N, HV, budget in ((1, 96, 190e6), (8, 16, 250e6), (1, 128, 250e6)):
         ws = backward_workspace_allocations(N, HV, 128, 128, 8192, 2048, [8192] * N, torch.bfloat16)

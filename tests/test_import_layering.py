@@ -48,8 +48,6 @@ KNOWN_CYCLES: dict[frozenset, str] = {}
 KNOWN_FUNCTION_LEVEL: set[tuple[str, str]] = {
     # chunk_kda loads the Triton path only when the backend is Triton
     ("kdakit.ops.kda.chunk", "kdakit.ops.kda.chunk_triton"),
-    # plan_kda's windowed-backward figures
-    ("kdakit.ops.kda.plan", "kdakit.ops.kda.chunk_bwd_windowed"),
     # CLI subcommands and the memory tools, loaded when called
     ("kdakit.cli", "kdakit.demo"),
     ("kdakit.cli", "kdakit.memory.mem_cli"),

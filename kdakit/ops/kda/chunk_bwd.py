@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 
 from kdakit.ops.kda.chunk_bwd_common import CHUNK, MAX_HEAD_DIM, USE_DOUBLING_INVERSE, dot_precision
-from kdakit.ops.kda.chunk_bwd_windowed import default_stage_dtype, run_windowed
+from kdakit.ops.kda.chunk_bwd_windowed import run_windowed
 from kdakit.ops.kda.chunk_common import gate_mode
 from kdakit.ops.kda.chunk_fwd import uses_safe_path
-from kdakit.ops.kda.plan import checkpoint_offsets
+from kdakit.ops.kda.plan import checkpoint_offsets, default_stage_dtype
 
 
 def chunk_kda_bwd(

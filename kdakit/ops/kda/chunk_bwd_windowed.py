@@ -13,12 +13,14 @@ Two facts make most of the work parallel: the state-gradient recurrence
     2. ``window_states`` (grid (N*HV, V/BVs, 2)): role 0 walks the window forward and stores every
        chunk's start state S_c; role 1 walks it in reverse from the carried dS (``[N, HV, K, V]`` fp32;
        dh0 itself when there is an initial state, initialised from dht) and stores every chunk's
-       dS_{c+1}; both into ``[N*HV, Lw/C, K, V]`` slots (bf16 for 16-bit inputs).
+       dS_{c+1}; both into ``[N*HV, Lw/C, K, V]`` slots (bf16 for 16-bit inputs). With H == HV
+       (``uses_lean_states``) stage 2 is ``chunk_bwd_states``' instead: the window's intermediates
+       computed once into its own gradient rows, then the same two walks without re-deriving them.
     3. ``window_grads`` (grid (N*H, Lw/C)): one chunk of one q/k head per program, looping over its
        GVA group: every gradient from S_c and dS_{c+1} (dq, dk summed over the group in registers, so
        no GVA partial buffers); dA_log / ddt_bias partials accumulate into ``[N*HV, Lw/C(, K)]``
        slots (one writer per slot and launch: deterministic) and are summed with torch at the end.
-  Workspace (``backward_workspace_allocations``): sized by windows, never by T. At 1x8K, H=HV=96,
+  Workspace (``plan.backward_workspace_allocations``): sized by windows, never by T. At 1x8K, H=HV=96,
   K=V=128, bf16, L=2048, Lw=256: window starts 44.0 MB, S_c 50.3 MB, dS 50.3 MB, carry 6.3 MB,
   parameter partials 0.8 MB = 151.8 MB (+ checkpoints 25.2 MB saved by the forward); the same
   151.8 MB at 1x128K H96 (checkpoints 402.7 MB); 202.4 MB at 8x8K H16 and 1x8K H128 (+33.6 MB).
@@ -41,8 +43,6 @@ Two facts make most of the work parallel: the state-gradient recurrence
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -58,6 +58,8 @@ from kdakit.ops.kda.chunk_bwd_common import (
     state_step,
     state_strides,
 )
+from kdakit.ops.kda.chunk_bwd_states import run_lean_window_states
+from kdakit.ops.kda.plan import lean_workspace_allocations, uses_lean_states
 from kdakit.ops.kda.chunk_common import (
     beta_activation,
     beta_activation_bwd,
@@ -83,7 +85,6 @@ from kdakit.ops.kda.chunk_common import (
     unit_lower_inverse_doubling,
 )
 
-RECOMPUTE_TOKENS = 256  # the plan's L2 rule: windows of gcd(256, L) tokens
 
 
 @triton.jit
@@ -463,12 +464,6 @@ STATES_BLOCK_V: int | None = None
 STARTS_NUM_WARPS: int | None = None  # None: STATE_NUM_WARPS
 
 
-def default_stage_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Storage of the per-chunk S_c and dS slots: bf16 for 16-bit inputs (RMS ratio cost < 7e-4 on
-    every gradient, float64 emulation at 4K tokens), fp32 for fp32 inputs."""
-    return torch.float32 if dtype == torch.float32 else torch.bfloat16
-
-
 def state_block_v(units: int, V: int, num_sms: int = 132) -> int:
     """V block of a sequential stage with ``units`` programs per value block (stage 1: N*HV; stage 2:
     2*N*HV): the smallest of 32, 64, 128 whose grid fits one wave (2 programs per SM: 4 warps at
@@ -480,38 +475,6 @@ def state_block_v(units: int, V: int, num_sms: int = 132) -> int:
         if bv >= full or units * (-(-V // bv)) <= 2 * num_sms:
             return min(bv, full)
     return min(128, full)
-
-
-def backward_workspace_allocations(N: int, HV: int, K: int, V: int, T_max: int, L: int, seqlens=None,
-                                   dtype: torch.dtype = torch.bfloat16, *, initial_state: bool = False,
-                                   gate_params: bool = True, recompute_every_n_tokens: int | None = None,
-                                   stage_dtype: torch.dtype | None = None) -> list[tuple[str, tuple, torch.dtype]]:
-    """``(name, shape, dtype)`` of every workspace tensor the windowed backward allocates, in order.
-
-    N sequences, HV value heads, checkpoint cadence L; windows of ``L2 = recompute_every_n_tokens``
-    (default ``gcd(256, L)``, the plan's rule) tokens. Nothing depends on T_max or seqlens (kept
-    for the plan's call; the workspace is sized by windows, not by T). The state-gradient carry is
-    dh0 itself when there is an initial state (a gradient output, not listed). Allocated after the
-    gradient outputs and freed before the parameter sums; dq and dk need no GVA partials.
-    """
-    C = CHUNK
-    L2 = math.gcd(RECOMPUTE_TOKENS, L) if recompute_every_n_tokens is None else int(recompute_every_n_tokens)
-    if L % L2 or L2 % C:
-        raise ValueError(f"need C | L2 | L, got C={C}, L2={L2}, L={L}")
-    st = default_stage_dtype(dtype) if stage_dtype is None else stage_dtype
-    f32 = torch.float32
-    items, sub = N * HV, L2 // C
-    out = []
-    if gate_params:
-        out.append(("bwd_dA_log_partials", (items, sub), f32))
-        out.append(("bwd_ddt_bias_partials", (items, sub, K), f32))
-    if not initial_state:
-        out.append(("bwd_state_grad_carry", (N, HV, K, V), f32))
-    if L // L2 > 1:
-        out.append(("bwd_window_start_states", (items, L // L2 - 1, K, V), f32))
-    out.append(("bwd_chunk_states", (items, sub, K, V), st))
-    out.append(("bwd_chunk_state_grads", (items, sub, K, V), st))
-    return out
 
 
 def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlens, A_log, dt_bias, initial_state,
@@ -542,6 +505,10 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
     ws_win = torch.empty(items, n_sub - 1, K, V, dtype=f32, device=dev) if n_sub > 1 else None
     ws_s = torch.empty(items, sub, K, V, dtype=stage_dtype, device=dev)
     ws_ds = torch.empty(items, sub, K, V, dtype=stage_dtype, device=dev)
+    lean = uses_lean_states(H, HV)
+    if lean:
+        ws_aqk, ws_gc = (torch.empty(shape, dtype=dt, device=dev)
+                         for _, shape, dt in lean_workspace_allocations(N, HV, K, sub, q.dtype))
 
     max_len = max(plan.seqlens, default=0) if cu_seqlens is not None else T
     n_win = -(-max_len // L2)
@@ -566,12 +533,20 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
                 seg, lower_bound, T, H, HV, K, V,
                 GROUP=HV // H, C=C, BK=BK, BV=BV1, SEG_CHUNKS=L // C, SUB_CHUNKS=sub, N_SUB=n_sub, **seq,
                 num_warps=STARTS_NUM_WARPS or STATE_NUM_WARPS, num_stages=1)
-        LAST_LAUNCH["window_states"] = chunk_kda_bwd_window_states_kernel[(items, triton.cdiv(V, BV2), 2)](
-            q, k, v, g, beta, do, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr,
-            ws_win if ws_win is not None else dummy, ws_s, ws_ds, carry,
-            win, scale, lower_bound, T, H, HV, K, V, *c_str,
-            GROUP=HV // H, C=C, BK=BK, BV=BV2, SUB_CHUNKS=sub, N_SUB=n_sub, **seq, GRAD_PREC=grad_prec, GRAD_OP=grad_op,
-            ROUND_STAGE=interpreting() and stage_dtype == torch.bfloat16, num_warps=STATE_NUM_WARPS, num_stages=1)
+        if lean:
+            run_lean_window_states(
+                win, q=q, k=k, v=v, g=g, beta=beta, do=do, A_log=a_ptr, dt_bias=b_ptr, cu_seqlens=cu_seqlens,
+                ckpt=checkpoints, ckpt_offsets=ckpt_offsets, ws_win=ws_win, ws_s=ws_s, ws_ds=ws_ds, ws_aqk=ws_aqk,
+                ws_gc=ws_gc, carry=carry, dq=dq, dk=dk, dv=dv, dg=dg, scale=scale, lower_bound=lower_bound,
+                state_v_first=state_v_first, N=N, sub=sub, n_sub=n_sub, consts=consts, stage_dtype=stage_dtype)
+        else:
+            LAST_LAUNCH["window_states"] = chunk_kda_bwd_window_states_kernel[(items, triton.cdiv(V, BV2), 2)](
+                q, k, v, g, beta, do, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr,
+                ws_win if ws_win is not None else dummy, ws_s, ws_ds, carry,
+                win, scale, lower_bound, T, H, HV, K, V, *c_str,
+                GROUP=HV // H, C=C, BK=BK, BV=BV2, SUB_CHUNKS=sub, N_SUB=n_sub, **seq, GRAD_PREC=grad_prec,
+                GRAD_OP=grad_op, ROUND_STAGE=interpreting() and stage_dtype == torch.bfloat16,
+                num_warps=STATE_NUM_WARPS, num_stages=1)
         LAST_LAUNCH["window_grads"] = chunk_kda_bwd_window_grads_kernel[(N * H, sub)](
             q, k, v, g, beta, do, cu, a_ptr, b_ptr, ws_s, ws_ds,
             dq, dk, dv, dg, dbeta, dA_part if dA_part is not None else dummy,
@@ -580,6 +555,8 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
             C=C, BK=BK, BV=BVG, SUB_CHUNKS=sub, GROUP=HV // H, **seq, GRAD_PREC=grad_prec, GRAD_OP=grad_op,
             num_warps=GRADS_NUM_WARPS, num_stages=GRADS_NUM_STAGES)
     del ws_win, ws_s, ws_ds, carry
+    if lean:
+        del ws_aqk, ws_gc
     return dq, dk, dv, dg, dbeta, dA_part, ddt_part, dh0
 
 

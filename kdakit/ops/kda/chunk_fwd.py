@@ -80,6 +80,7 @@ from kdakit.ops.kda.chunk_common import (
     round_to_bf16_if,
     row_of,
     safe_gate_factors,
+    seq_bounds,
     store_matrix,
     store_rows,
     unit_lower_inverse_doubling,
@@ -113,17 +114,28 @@ def state_num_warps(BK: int, BV: int) -> int:
 @triton.jit
 def chunk_kda_fwd_intra_kernel(
     q, k, v, g, beta, A_log, dt_bias, w, qg, kd, uo, aqk, gc, cu_seqlens, chunk_table,
-    lower_bound, T, H, HV, NTS,
+    lower_bound, T, H, HV, NTS, win,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
     SAFE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    WINDOW: tl.constexpr = False, SUB: tl.constexpr = 1,
 ):
-    """One (chunk, value head): W, qΓ, kd, Aqk, exp(g_C) to the temporaries, U into o."""
-    i_t = tl.program_id(0).to(tl.int64)  # global chunk index: the row of gc
+    """One (chunk, value head): W, qΓ, kd, Aqk, exp(g_C) to the temporaries, U into o.
+
+    WINDOW (the backward, ``chunk_bwd_states``): grid (N * SUB, HV), program (n * SUB + j) takes chunk
+    ``win * SUB + j`` of sequence n (all its stores masked when the sequence has no such chunk); W, qΓ,
+    kd, U go to token rows as in the forward, Aqk to slot ``[n * SUB + j, hv]`` of ``[N * SUB, HV, C, C]``
+    and exp(g_C) to row n * SUB + j of gc.
+    """
+    i_t = tl.program_id(0).to(tl.int64)  # global chunk index (WINDOW: the window slot): the row of gc
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
+    if WINDOW:
+        i_n = i_t // SUB
+        i_c = (win * SUB + i_t % SUB).to(tl.int32)
+        bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    elif IS_VARLEN:
         # chunk_table[2 i], chunk_table[2 i + 1]: (sequence, chunk within it), int32
         i_n = tl.load(chunk_table + 2 * i_t).to(tl.int64)
         i_c = tl.load(chunk_table + 2 * i_t + 1)
@@ -195,7 +207,13 @@ def chunk_kda_fwd_intra_kernel(
     store_rows(qg + tok, round_to_bf16_if(qt * gam, EMULATE_BF16), t0, seq_len, row_k, 0, K, C, BK)
     store_rows(kd + tok, round_to_bf16_if(kt * tl.exp(g_last[None, :] - Gc), EMULATE_BF16),
                t0, seq_len, row_k, 0, K, C, BK)
-    store_rows(aqk + (bos * HV + i_hv) * C, round_to_bf16_if(Aqk, EMULATE_BF16), t0, seq_len, HV * C, 0, C, C, C)
+    if WINDOW:
+        # The slot's base less t0 rows, so store_rows' row t0 is the slot's row 0 and its mask the sequence's.
+        store_rows(aqk + (i_t * HV + i_hv) * (C * C) - t0.to(tl.int64) * C, round_to_bf16_if(Aqk, EMULATE_BF16),
+                   t0, seq_len, C, 0, C, C, C)
+    else:
+        store_rows(aqk + (bos * HV + i_hv) * C, round_to_bf16_if(Aqk, EMULATE_BF16), t0, seq_len, HV * C, 0, C,
+                   C, C)
     store_rows(uo + (bos * HV + i_hv) * V, round_to_bf16_if(ut, EMULATE_BF16), t0, seq_len, HV * V, 0, V, C, BV)
     c = tl.arange(0, BK)
     tl.store(gc + (i_t * HV + i_hv) * K + c, tl.exp(g_last), mask=c < K)
@@ -356,7 +374,7 @@ def chunk_kda_fwd_intra(
         return w, qg, kd, aqk, gc, table
     chunk_kda_fwd_intra_kernel[(NT, HV)](
         q, k, v, g, beta, A_log, dt_bias, w, qg, kd, o, aqk, gc, cu_seqlens, pairs,
-        float(lower_bound) if lower_bound is not None else 0.0, T, H, HV, triton.cdiv(T, C),
+        float(lower_bound) if lower_bound is not None else 0.0, T, H, HV, triton.cdiv(T, C), 0,
         K=K, V=V, C=C, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), GATE=gate_mode(use_gate_in_kernel, lower_bound),
         HAS_A_LOG=A_log is not None and use_gate_in_kernel,
         HAS_BIAS=dt_bias is not None and use_gate_in_kernel,

@@ -484,14 +484,12 @@ def _plan_windowed_backward(add, free, events, *, B, T, H, HV, K, V, N, L, L2, d
     the five token gradients, the parameter partials, dh0 (which doubles as the state-gradient carry)
     or a carry, the window-start / chunk-state / chunk-state-gradient slots; the slots and the carry
     are freed before the parameter sums."""
-    from kdakit.ops.kda.chunk_bwd_windowed import backward_workspace_allocations
-
     f32 = torch.float32
     for name, shape in (("dq", (B, T, H, K)), ("dk", (B, T, H, K)), ("dv", (B, T, HV, V)),
                         ("dg", (B, T, HV, K)), ("dbeta", (B, T, HV))):
         add(name, shape, dtype, "gradient outputs", "backward")
     ws = backward_workspace_allocations(N, HV, K, V, T, L, None, dtype, initial_state=initial_state,
-                                        gate_params=gate_params, recompute_every_n_tokens=L2)
+                                        gate_params=gate_params, recompute_every_n_tokens=L2, H=H)
     partials = [w for w in ws if w[0].endswith("_partials")]
     slots = [w for w in ws if not w[0].endswith("_partials")]
     for name, shape, dt in partials:
@@ -513,3 +511,59 @@ def _plan_windowed_backward(add, free, events, *, B, T, H, HV, K, V, N, L, L2, d
         add("d_initial_state", (N, HV, K, V), initial_state_dtype, "gradient outputs", "backward")
         events.append(("mark", "initial-state gradient cast"))
         free("d_initial_state_fp32")
+
+
+# ---- the windowed backward's workspace (chunk_bwd_windowed allocates exactly this) ----
+
+def default_stage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Storage of the per-chunk S_c and dS slots: bf16 for 16-bit inputs (RMS ratio cost < 7e-4 on
+    every gradient, float64 emulation at 4K tokens), fp32 for fp32 inputs."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+def uses_lean_states(H: int, HV: int) -> bool:
+    """Stage 2 from the window's intermediates (``chunk_bwd_states``) needs dq/dk rows per value head."""
+    return H == HV
+
+
+def lean_workspace_allocations(N: int, HV: int, K: int, sub: int, dtype: torch.dtype) -> list:
+    """``(name, shape, dtype)`` of the per-window Aqk and exp(g_C) slots (allocated after ws_ds)."""
+    return [("bwd_window_aqk", (N * sub, HV, CHUNK_SIZE, CHUNK_SIZE), dtype),
+            ("bwd_window_decay", (N * sub, HV, K), torch.float32)]
+
+
+def backward_workspace_allocations(N: int, HV: int, K: int, V: int, T_max: int, L: int, seqlens=None,
+                                   dtype: torch.dtype = torch.bfloat16, *, initial_state: bool = False,
+                                   gate_params: bool = True, recompute_every_n_tokens: int | None = None,
+                                   stage_dtype: torch.dtype | None = None,
+                                   H: int | None = None) -> list[tuple[str, tuple, torch.dtype]]:
+    """``(name, shape, dtype)`` of every workspace tensor the windowed backward allocates, in order.
+
+    N sequences, HV value heads, checkpoint cadence L; windows of ``L2 = recompute_every_n_tokens``
+    (default ``gcd(256, L)``, the plan's rule) tokens. Nothing depends on T_max or seqlens (kept
+    for the plan's call; the workspace is sized by windows, not by T). The state-gradient carry is
+    dh0 itself when there is an initial state (a gradient output, not listed). Allocated after the
+    gradient outputs and freed before the parameter sums; dq and dk need no GVA partials. H (default
+    HV) decides whether stage 2 runs from the window's intermediates (``uses_lean_states``), which adds
+    the per-window Aqk and exp(g_C) slots.
+    """
+    C = CHUNK_SIZE
+    L2 = math.gcd(DEFAULT_RECOMPUTE_TOKENS, L) if recompute_every_n_tokens is None else int(recompute_every_n_tokens)
+    if L % L2 or L2 % C:
+        raise ValueError(f"need C | L2 | L, got C={C}, L2={L2}, L={L}")
+    st = default_stage_dtype(dtype) if stage_dtype is None else stage_dtype
+    f32 = torch.float32
+    items, sub = N * HV, L2 // C
+    out = []
+    if gate_params:
+        out.append(("bwd_dA_log_partials", (items, sub), f32))
+        out.append(("bwd_ddt_bias_partials", (items, sub, K), f32))
+    if not initial_state:
+        out.append(("bwd_state_grad_carry", (N, HV, K, V), f32))
+    if L // L2 > 1:
+        out.append(("bwd_window_start_states", (items, L // L2 - 1, K, V), f32))
+    out.append(("bwd_chunk_states", (items, sub, K, V), st))
+    out.append(("bwd_chunk_state_grads", (items, sub, K, V), st))
+    if uses_lean_states(HV if H is None else H, HV):
+        out.extend(lean_workspace_allocations(N, HV, K, sub, dtype))
+    return out
