@@ -110,6 +110,9 @@ def main():
                                                                  "IS_VARLEN", "OP_BF16", "EMULATE_BF16", "DOT_PREC")},
                                                BK=a.intra_bk, BV=64), a.warps_wu)
     if "lean" in only:
+        build(LS.chunk_kda_bwd_lean_starts_kernel, dict(C=16, BK=128, BV=LS.LEAN_BLOCK_V, SUB_CHUNKS=16, N_SUB=2,
+                                                        IS_VARLEN=True, DOT_PREC="tf32", OP_BF16=True,
+                                                        EMULATE_BF16=False), LS.LEAN_NUM_WARPS)
         build(LS.chunk_kda_bwd_lean_states_kernel, dict(C=16, BK=128, BV=LS.LEAN_BLOCK_V, SUB_CHUNKS=16, N_SUB=2,
                                                         IS_VARLEN=True, DOT_PREC="tf32", OP_BF16=True,
                                                         EMULATE_BF16=False, ROUND_STAGE=False), LS.LEAN_NUM_WARPS)

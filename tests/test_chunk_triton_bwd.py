@@ -28,7 +28,7 @@ import torch
 
 from kdakit.ops.kda.chunk_bwd_reference import chunk_kda_bwd_reference, reference_checkpoints
 from kdakit.ops.kda.naive import naive_recurrent_kda
-from kdakit.ops.kda.plan import backward_workspace_allocations
+from kdakit.ops.kda.plan import backward_workspace_allocations, plan_kda
 from kdakit.testing import assert_close
 
 pytestmark = pytest.mark.skipif(
@@ -214,6 +214,11 @@ WINDOW_CASES = {
     "safe_v_first_w32_seg96": (dict(gate=True, lower_bound=-5.0, l2=True, bsig=True, H=2, HV=4, B=2, T=101,
                                     h0=True, vfirst=True, dht=True), True, 96, 32),
     "reset_decays_w16_seg48": (dict(reset=True, l2=True, lens=[53, 17], dht=True), False, 48, 16),
+    # H == HV: stages 1-2 from the windows' intermediates (chunk_bwd_states), slot sets per window
+    "softplus_varlen_w32_seg64_lean": (dict(gate=True, l2=True, bsig=True, neg=True, H=2, HV=2,
+                                            lens=[70, 0, 64, 5], h0=True, dht=True), False, 64, 32),
+    "safe_v_first_w32_seg96_lean": (dict(gate=True, lower_bound=-5.0, l2=True, bsig=True, H=2, HV=2, B=2, T=101,
+                                         h0=True, vfirst=True, dht=True), True, 96, 32),
 }
 
 
@@ -304,10 +309,12 @@ def test_workspace_bytes_at_benchmark_shapes():
     """Workspace + checkpoints within the SPEC budget above the floor (190 MB at 1x8K H96, 250 MB at 8x8K H16)."""
 
     for N, HV, budget in ((1, 96, 190e6), (8, 16, 250e6), (1, 128, 250e6)):
-        ws = backward_workspace_allocations(N, HV, 128, 128, 8192, 2048, [8192] * N, torch.bfloat16)
+        p = plan_kda(seqlens=[8192] * N, H=HV, K=128)  # the default cadence and checkpoint dtype
+        ws = backward_workspace_allocations(N, HV, 128, 128, 8192, p.checkpoint_every_n_tokens, [8192] * N,
+                                            torch.bfloat16)
         ws_bytes = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, s, d in ws)
-        ckpt_bytes = N * 4 * HV * 128 * 128 * 4
-        assert ws_bytes + ckpt_bytes < budget, (N, HV, ws_bytes / 1e6, ckpt_bytes / 1e6)
+        assert ws_bytes == p.backward_workspace_bytes
+        assert ws_bytes + p.checkpoint_bytes < budget, (N, HV, ws_bytes / 1e6, p.checkpoint_bytes / 1e6)
 
 
 def test_kernel_rejects_bad_inputs():

@@ -1,4 +1,4 @@
-"""The backward's window states from the window's own intermediates (stage 2 when HV == H).
+"""The backward's window states from the windows' own intermediates (stages 1 and 2 when HV == H).
 
 ``chunk_bwd_windowed``'s stage 2 walks each window twice (role 0: states forward, role 1: state
 gradients in reverse) and re-derives, in every dependent step, the chunk's S-independent work: gate
@@ -10,10 +10,15 @@ window's own rows of the gradient outputs, which stage 3 of the same window over
 gradients afterwards (windows run last first, so no other window's rows are touched):
 
     W -> dq rows, qΓ -> dk rows, kd -> dg rows, U -> dv rows (token dtype, as the forward keeps them),
-    Aqk -> ``[N * SUB, HV, C, C]`` and exp(g_C) -> ``[N * SUB, HV, K]`` fp32 (per-window slots).
+    Aqk -> ``[N_SUB, N * SUB, HV, C, C]`` and exp(g_C) -> ``[N_SUB, N * SUB, HV, K]`` fp32: one slot set
+    per window of a checkpoint segment (set = window % N_SUB), slot n * SUB + j for chunk j of sequence n.
 
-Then one launch, grid (N * HV, cdiv(V, BV), 2), walks the window with the forward state kernel's
-products only:
+Stage 1 of a segment (``run_lean_window_starts``) computes the intermediates of windows 0 .. N_SUB - 2
+(their rows stay untouched until each window's own stage 3) and walks them from the checkpoint,
+storing the start states of windows 1 .. (as ``chunk_bwd_windowed``'s window-starts kernel, without its
+per-step re-derivation); those windows' stage 2 then reuses them, and only the segment's last window
+runs the intra kernel in its stage 2. Stage 2 (``run_lean_window_states``), grid (N * HV, cdiv(V, BV),
+2), walks the window with the forward state kernel's products only:
 
     role 0, forward: store S_c;   S <- gC S + kd^T (U - W S)   (bf16 operands for bf16 inputs, as forward)
     role 1, reverse: store dS;    dV' = scale Aqk^T dO + kd dS,
@@ -54,9 +59,63 @@ LEAN_NUM_WARPS = 4
 
 
 @triton.jit
+def _slot(c, n, N, SUB_CHUNKS: tl.constexpr, N_SUB: tl.constexpr):
+    """Row of chunk c of sequence n in the slot sets: set (window % N_SUB), slot n * SUB + chunk % SUB."""
+    return (((c // SUB_CHUNKS) % N_SUB).to(tl.int64) * N + n) * SUB_CHUNKS + c % SUB_CHUNKS
+
+
+@triton.jit
+def _lean_state_step(S, c, n, N, hv, n_rows, w_b, kd_b, u_b, gc, HV, K, V, v0,
+                     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB_CHUNKS: tl.constexpr,
+                     N_SUB: tl.constexpr, DOT_PREC: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """State after chunk c from the intermediates: ``gC S + kd^T (U - W S)``, S ``[BK, BV]`` fp32."""
+    t0 = c * C
+    cols = tl.arange(0, BK)
+    wt = dot_operand(load_rows_native(w_b, t0, n_rows, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)  # [C, BK]
+    kdt = dot_operand(load_rows_native(kd_b, t0, n_rows, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
+    ut = load_rows(u_b, t0, n_rows, HV * V, v0, V, C, BV)  # [C, BV]
+    gct = tl.load(gc + (_slot(c, n, N, SUB_CHUNKS, N_SUB) * HV + hv) * K + cols, mask=cols < K, other=0.0)  # [BK]
+    vn = ut - tl.dot(wt, dot_operand(S, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)  # [C, BV]
+    return tl.dot(tl.trans(kdt), dot_operand(vn, OP_BF16, EMULATE_BF16), acc=S * gct[:, None],
+                  input_precision=DOT_PREC)
+
+
+@triton.jit
+def chunk_kda_bwd_lean_starts_kernel(
+    w, kd, u, gc, ckpt, ckpt_off, cu_seqlens, ws_win, seg, N, T, HV, K, V,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB_CHUNKS: tl.constexpr, N_SUB: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):
+    """Stage 1 of segment ``seg``, grid (N * HV, cdiv(V, BV)): the start states of windows 1 .. of the
+    segment into ``ws_win`` (fp32 ``[N * HV, N_SUB - 1, K, V]``), walked from its checkpoint."""
+    item = tl.program_id(0)
+    v0 = tl.program_id(1) * BV
+    n = item // HV
+    hv = item % HV
+    bos, eos = seq_bounds(cu_seqlens, n, T, IS_VARLEN)
+    n_rows = (eos - bos).to(tl.int32)
+    n_chunks = (n_rows + C - 1) // C
+    c0 = seg * (N_SUB * SUB_CHUNKS)
+    if c0 < n_chunks:
+        KV = K.to(tl.int64) * V
+        n_win = (tl.minimum(n_chunks, c0 + N_SUB * SUB_CHUNKS) - c0 + SUB_CHUNKS - 1) // SUB_CHUNKS
+        tok_k = bos * (HV * K) + hv * K
+        u_b = u + bos * (HV * V) + hv * V
+        slots = ws_win + item.to(tl.int64) * (N_SUB - 1) * KV
+        S = load_matrix(ckpt + ((tl.load(ckpt_off + n) + seg) * HV + hv) * KV, V, 1, K, V, v0, BK, BV)  # [BK, BV]
+        c = c0
+        while c < c0 + (n_win - 1) * SUB_CHUNKS:
+            S = _lean_state_step(S, c, n, N, hv, n_rows, w + tok_k, kd + tok_k, u_b, gc, HV, K, V, v0, C, BK, BV,
+                                 SUB_CHUNKS, N_SUB, DOT_PREC, OP_BF16, EMULATE_BF16)
+            c += 1
+            if (c - c0) % SUB_CHUNKS == 0:
+                store_matrix(slots + ((c - c0) // SUB_CHUNKS - 1) * KV, S, V, 1, K, V, v0, BK, BV)
+
+
+@triton.jit
 def chunk_kda_bwd_lean_states_kernel(
     w, qg, kd, u, aqk, gc, do, ckpt, ckpt_off, cu_seqlens, ws_win, ws_s, ws_ds, carry,
-    win, scale, T, HV, K, V, s_c_n, s_c_h, s_c_k, s_c_v,
+    win, N, scale, T, HV, K, V, s_c_n, s_c_h, s_c_k, s_c_v,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB_CHUNKS: tl.constexpr, N_SUB: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
     ROUND_STAGE: tl.constexpr,
@@ -76,11 +135,9 @@ def chunk_kda_bwd_lean_states_kernel(
     if d0 < n_chunks:
         KV = K.to(tl.int64) * V
         d1 = tl.minimum(n_chunks, d0 + SUB_CHUNKS)
-        row_k = HV * K
-        tok_k = bos * row_k + hv * K
+        tok_k = bos * (HV * K) + hv * K
         w_b = w + tok_k
         kd_b = kd + tok_k
-        slot0 = n.to(tl.int64) * SUB_CHUNKS  # window slot of chunk d0
         cols = tl.arange(0, BK)
         if role == 0:
             sub = win % N_SUB
@@ -94,14 +151,8 @@ def chunk_kda_bwd_lean_states_kernel(
             c = d0
             while c < d1:
                 store_matrix(slots + (c - d0) * KV, round_to_bf16_if(S, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
-                t0 = c * C
-                wt = dot_operand(load_rows_native(w_b, t0, n_rows, row_k, 0, K, C, BK), OP_BF16, EMULATE_BF16)
-                kdt = dot_operand(load_rows_native(kd_b, t0, n_rows, row_k, 0, K, C, BK), OP_BF16, EMULATE_BF16)
-                ut = load_rows(u_b, t0, n_rows, HV * V, v0, V, C, BV)  # [C, BV]
-                gct = tl.load(gc + ((slot0 + c - d0) * HV + hv) * K + cols, mask=cols < K, other=0.0)  # [BK]
-                vn = ut - tl.dot(wt, dot_operand(S, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)  # [C, BV]
-                S = tl.dot(tl.trans(kdt), dot_operand(vn, OP_BF16, EMULATE_BF16), acc=S * gct[:, None],
-                           input_precision=DOT_PREC)
+                S = _lean_state_step(S, c, n, N, hv, n_rows, w_b, kd_b, u_b, gc, HV, K, V, v0, C, BK, BV,
+                                     SUB_CHUNKS, N_SUB, DOT_PREC, OP_BF16, EMULATE_BF16)
                 c += 1
         else:
             qg_b = qg + tok_k
@@ -113,15 +164,16 @@ def chunk_kda_bwd_lean_states_kernel(
             while c >= d0:
                 store_matrix(slots + (c - d0) * KV, round_to_bf16_if(dS, ROUND_STAGE), V, 1, K, V, v0, BK, BV)
                 t0 = c * C
-                wt = dot_operand(load_rows_native(w_b, t0, n_rows, row_k, 0, K, C, BK), OP_BF16, EMULATE_BF16)
-                kdt = dot_operand(load_rows_native(kd_b, t0, n_rows, row_k, 0, K, C, BK), OP_BF16, EMULATE_BF16)
-                qgt = dot_operand(load_rows_native(qg_b, t0, n_rows, row_k, 0, K, C, BK), OP_BF16, EMULATE_BF16)
+                slot = _slot(c, n, N, SUB_CHUNKS, N_SUB)
+                wt = dot_operand(load_rows_native(w_b, t0, n_rows, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
+                kdt = dot_operand(load_rows_native(kd_b, t0, n_rows, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
+                qgt = dot_operand(load_rows_native(qg_b, t0, n_rows, HV * K, 0, K, C, BK), OP_BF16, EMULATE_BF16)
                 # The slot's base less t0 rows: the loads' row mask is then the sequence's.
-                a_b = aqk + ((slot0 + c - d0) * HV + hv) * (C * C) - t0.to(tl.int64) * C
+                a_b = aqk + (slot * HV + hv) * (C * C) - t0.to(tl.int64) * C
                 at = dot_operand(load_rows_native(a_b, t0, n_rows, C, 0, C, C, C), OP_BF16, EMULATE_BF16)  # [C, C]
                 sdo = dot_operand(scale * load_rows(do_b, t0, n_rows, HV * V, v0, V, C, BV), OP_BF16,
                                   EMULATE_BF16)  # [C, BV]
-                gct = tl.load(gc + ((slot0 + c - d0) * HV + hv) * K + cols, mask=cols < K, other=0.0)  # [BK]
+                gct = tl.load(gc + (slot * HV + hv) * K + cols, mask=cols < K, other=0.0)  # [BK]
                 dvp = tl.dot(tl.trans(at), sdo, input_precision=DOT_PREC) \
                     + tl.dot(kdt, dot_operand(dS, OP_BF16, EMULATE_BF16), input_precision=DOT_PREC)  # [C, BV]
                 # Accumulated in place (acc=): one [BK, BV] fp32 tile live instead of three (255 registers
@@ -133,31 +185,71 @@ def chunk_kda_bwd_lean_states_kernel(
             store_matrix(c_ptr, dS, s_c_k, s_c_v, K, V, v0, BK, BV)
 
 
+def _intra(win, set_, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu, dq, dk, dv, dg, ws_aqk, ws_gc,
+           lower_bound, N, sub, consts, dummy):
+    """The forward's intra kernel on window ``win``: W, qΓ, kd, U into its gradient rows, Aqk and exp(g_C)
+    into slot set ``set_``."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BK = block_size(K)
+    chunk_kda_fwd_intra_kernel[(N * sub, HV)](
+        q, k, v, g, beta, A_log if consts["HAS_A"] else dummy, dt_bias if consts["HAS_BIAS"] else dummy,
+        dq, dk, dg, dv, ws_aqk[set_], ws_gc[set_], cu, cu, lower_bound, T, H, HV, triton.cdiv(T, CHUNK), win,
+        K=K, V=V, C=CHUNK, BK=BK, BV=block_size(V), BKS=min(EXACT_KEY_SLICE, BK), GATE=consts["GATE"],
+        HAS_A_LOG=consts["HAS_A"], HAS_BIAS=consts["HAS_BIAS"], USE_L2NORM=consts["L2NORM"],
+        BETA_SIGMOID=consts["BETA_SIGMOID"], NEG_EIGVAL=consts["NEG_EIGVAL"], SAFE=consts["SAFE"],
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
+        EMULATE_BF16=interpreting() and q.dtype == torch.bfloat16, WINDOW=True, SUB=sub,
+        num_warps=INTRA_NUM_WARPS, num_stages=1,
+    )
+
+
+def run_lean_window_starts(seg, last_win, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, ckpt, ckpt_offsets,
+                           ws_win, ws_aqk, ws_gc, dq, dk, dv, dg, lower_bound, N, sub, n_sub, consts, dummy):
+    """Stage 1 of segment ``seg`` (HV == H): the intermediates of its windows before ``last_win`` (the
+    segment's last window that any sequence has; its own are made in its stage 2), then the walk that
+    stores the window start states."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    cu = cu_seqlens if cu_seqlens is not None else ckpt_offsets
+    first = seg * n_sub
+    for win in range(first, last_win + 1):
+        if win % n_sub == n_sub - 1:
+            break  # the segment's last window makes its own intermediates in stage 2
+        _intra(win, win % n_sub, q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+               cu=cu, dq=dq, dk=dk, dv=dv, dg=dg, ws_aqk=ws_aqk, ws_gc=ws_gc, lower_bound=lower_bound, N=N, sub=sub,
+               consts=consts, dummy=dummy)
+    BK = block_size(K)
+    BV = min(LEAN_BLOCK_V, block_size(V))
+    chunk_kda_bwd_lean_starts_kernel[(N * HV, triton.cdiv(V, BV))](
+        dq, dg, dv, ws_gc, ckpt, ckpt_offsets, cu, ws_win, seg, N, T, HV, K, V,
+        C=CHUNK, BK=BK, BV=BV, SUB_CHUNKS=sub, N_SUB=n_sub, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=_dot_precision(q.dtype), OP_BF16=q.dtype == torch.bfloat16,
+        EMULATE_BF16=interpreting() and q.dtype == torch.bfloat16, num_warps=LEAN_NUM_WARPS, num_stages=1,
+    )
+
+
 def run_lean_window_states(win, *, q, k, v, g, beta, do, A_log, dt_bias, cu_seqlens, ckpt, ckpt_offsets,
                            ws_win, ws_s, ws_ds, ws_aqk, ws_gc, carry, dq, dk, dv, dg, scale, lower_bound,
                            state_v_first, N, sub, n_sub, consts, stage_dtype):
-    """Stage 2 of window ``win`` (HV == H): the intra kernel into the window's gradient rows, then the walk."""
+    """Stage 2 of window ``win`` (HV == H): the intra kernel into the window's gradient rows (unless stage
+    1 made them: every window of a segment but its last), then the walk."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    C, interp = CHUNK, interpreting()
-    BK, BVI = block_size(K), block_size(V)
+    interp = interpreting()
     dummy = carry
     cu = cu_seqlens if cu_seqlens is not None else ckpt_offsets
-    emulate = interp and q.dtype == torch.bfloat16
-    chunk_kda_fwd_intra_kernel[(N * sub, HV)](
-        q, k, v, g, beta, A_log if consts["HAS_A"] else dummy, dt_bias if consts["HAS_BIAS"] else dummy,
-        dq, dk, dg, dv, ws_aqk, ws_gc, cu, cu, lower_bound, T, H, HV, triton.cdiv(T, C), win,
-        K=K, V=V, C=C, BK=BK, BV=BVI, BKS=min(EXACT_KEY_SLICE, BK), GATE=consts["GATE"],
-        HAS_A_LOG=consts["HAS_A"], HAS_BIAS=consts["HAS_BIAS"], USE_L2NORM=consts["L2NORM"],
-        BETA_SIGMOID=consts["BETA_SIGMOID"], NEG_EIGVAL=consts["NEG_EIGVAL"], SAFE=consts["SAFE"],
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype), EMULATE_BF16=emulate,
-        WINDOW=True, SUB=sub, num_warps=INTRA_NUM_WARPS, num_stages=1,
-    )
-    BV = min(LEAN_BLOCK_V, BVI)
+    if win % n_sub == n_sub - 1:
+        _intra(win, win % n_sub, q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+               cu=cu, dq=dq, dk=dk, dv=dv, dg=dg, ws_aqk=ws_aqk, ws_gc=ws_gc, lower_bound=lower_bound, N=N, sub=sub,
+               consts=consts, dummy=dummy)
+    BK = block_size(K)
+    BV = min(LEAN_BLOCK_V, block_size(V))
     chunk_kda_bwd_lean_states_kernel[(N * HV, triton.cdiv(V, BV), 2)](
         dq, dk, dg, dv, ws_aqk, ws_gc, do, ckpt, ckpt_offsets, cu, ws_win if ws_win is not None else dummy,
-        ws_s, ws_ds, carry, win, scale, T, HV, K, V, *state_strides(carry, state_v_first),
-        C=C, BK=BK, BV=BV, SUB_CHUNKS=sub, N_SUB=n_sub, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(q.dtype), OP_BF16=q.dtype == torch.bfloat16, EMULATE_BF16=emulate,
+        ws_s, ws_ds, carry, win, N, scale, T, HV, K, V, *state_strides(carry, state_v_first),
+        C=CHUNK, BK=BK, BV=BV, SUB_CHUNKS=sub, N_SUB=n_sub, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=_dot_precision(q.dtype), OP_BF16=q.dtype == torch.bfloat16,
+        EMULATE_BF16=interp and q.dtype == torch.bfloat16,
         ROUND_STAGE=interp and stage_dtype == torch.bfloat16, num_warps=LEAN_NUM_WARPS, num_stages=1,
     )

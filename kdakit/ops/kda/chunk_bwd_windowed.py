@@ -58,7 +58,7 @@ from kdakit.ops.kda.chunk_bwd_common import (
     state_step,
     state_strides,
 )
-from kdakit.ops.kda.chunk_bwd_states import run_lean_window_states
+from kdakit.ops.kda.chunk_bwd_states import run_lean_window_starts, run_lean_window_states
 from kdakit.ops.kda.plan import lean_workspace_allocations, uses_lean_states
 from kdakit.ops.kda.chunk_common import (
     beta_activation,
@@ -508,7 +508,7 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
     lean = uses_lean_states(H, HV)
     if lean:
         ws_aqk, ws_gc = (torch.empty(shape, dtype=dt, device=dev)
-                         for _, shape, dt in lean_workspace_allocations(N, HV, K, sub, q.dtype))
+                         for _, shape, dt in lean_workspace_allocations(N, HV, K, sub, n_sub, q.dtype))
 
     max_len = max(plan.seqlens, default=0) if cu_seqlens is not None else T
     n_win = -(-max_len // L2)
@@ -527,7 +527,12 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
     for win in reversed(range(n_win)):
         seg = win // n_sub
         # Stage 1 runs before the segment's first processed (= last existing) window.
-        if n_sub > 1 and win == min(n_win - 1, seg * n_sub + n_sub - 1):
+        if n_sub > 1 and win == min(n_win - 1, seg * n_sub + n_sub - 1) and lean:
+            run_lean_window_starts(
+                seg, win, q=q, k=k, v=v, g=g, beta=beta, A_log=a_ptr, dt_bias=b_ptr, cu_seqlens=cu_seqlens,
+                ckpt=checkpoints, ckpt_offsets=ckpt_offsets, ws_win=ws_win, ws_aqk=ws_aqk, ws_gc=ws_gc, dq=dq, dk=dk,
+                dv=dv, dg=dg, lower_bound=lower_bound, N=N, sub=sub, n_sub=n_sub, consts=consts, dummy=dummy)
+        elif n_sub > 1 and win == min(n_win - 1, seg * n_sub + n_sub - 1):
             LAST_LAUNCH["window_starts"] = chunk_kda_bwd_window_starts_kernel[(items, triton.cdiv(V, BV1))](
                 k, v, g, beta, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr, ws_win,
                 seg, lower_bound, T, H, HV, K, V,

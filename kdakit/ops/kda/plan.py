@@ -526,10 +526,11 @@ def uses_lean_states(H: int, HV: int) -> bool:
     return H == HV
 
 
-def lean_workspace_allocations(N: int, HV: int, K: int, sub: int, dtype: torch.dtype) -> list:
-    """``(name, shape, dtype)`` of the per-window Aqk and exp(g_C) slots (allocated after ws_ds)."""
-    return [("bwd_window_aqk", (N * sub, HV, CHUNK_SIZE, CHUNK_SIZE), dtype),
-            ("bwd_window_decay", (N * sub, HV, K), torch.float32)]
+def lean_workspace_allocations(N: int, HV: int, K: int, sub: int, n_sub: int, dtype: torch.dtype) -> list:
+    """``(name, shape, dtype)`` of the windows' Aqk and exp(g_C) slots (allocated after ws_ds): one set per
+    window of a checkpoint segment (``n_sub`` of them), ``sub`` chunks of every sequence each."""
+    return [("bwd_window_aqk", (n_sub, N * sub, HV, CHUNK_SIZE, CHUNK_SIZE), dtype),
+            ("bwd_window_decay", (n_sub, N * sub, HV, K), torch.float32)]
 
 
 def backward_workspace_allocations(N: int, HV: int, K: int, V: int, T_max: int, L: int, seqlens=None,
@@ -565,5 +566,5 @@ def backward_workspace_allocations(N: int, HV: int, K: int, V: int, T_max: int, 
     out.append(("bwd_chunk_states", (items, sub, K, V), st))
     out.append(("bwd_chunk_state_grads", (items, sub, K, V), st))
     if uses_lean_states(HV if H is None else H, HV):
-        out.extend(lean_workspace_allocations(N, HV, K, sub, dtype))
+        out.extend(lean_workspace_allocations(N, HV, K, sub, L // L2, dtype))
     return out
