@@ -44,7 +44,8 @@
 #   profile   per-kernel CUDA time of kdakit's forward and backward (profile_chunk.py, PROFILE_SHAPES)
 #   chunk64   the experimental 64-token pipeline at 1x8192:96 (dev_chunk_gpu.py; CHUNK64_ARGS, default
 #             --skip-accuracy; pass "--gates safe" to add its accuracy check, ~40 s)
-#   tests     the GPU test tier (tests marked gpu; GPU_TESTS)
+#   tests     the GPU test tier (tests marked gpu; GPU_TESTS, GPU_TEST_FLAGS: default -x; e.g. "--timeout=60"
+#             with pytest-timeout, which the device has), one line per test so a cut run shows how far it got
 #   recurrent decode and recurrent fwd+bwd benchmark (bench_recurrent.py)
 #   tune      launch-config sweep of the windowed backward (tune_windowed.py); tunecompile only
 #             compiles its variants (parallel processes)
@@ -228,7 +229,7 @@ stage_chunk64() {
 
 stage_tests() {
     # shellcheck disable=SC2086
-    KDAKIT_TEST_TIER=gpu timeout -k 5 "$1" python3 -m pytest -q -m gpu -rs -x ${GPU_TESTS:-tests/gpu} 2>&1 \
+    KDAKIT_TEST_TIER=gpu timeout -k 5 "$1" python3 -m pytest -v -m gpu -rs ${GPU_TEST_FLAGS:--x} ${GPU_TESTS:-tests/gpu} 2>&1 \
         | tee "$OUT/gpu_tests.log"
     return "${PIPESTATUS[0]}"
 }
