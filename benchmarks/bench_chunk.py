@@ -1,6 +1,6 @@
 """kdakit vs FLA 0.6.0 chunk_kda on the GPU: correctness gate, then peak memory and time.
 
-Protocol: SPEC §3 (``kdakit.memory.measure``: one fresh process per backend x shape, median of
+Protocol: docs/spec.md §3 (``kdakit.memory.measure``: one fresh process per backend x shape, median of
 three steady-state forward+backward peaks, expandable_segments off, FLA with
 FLA_DISABLE_BACKEND_DISPATCH=1 and the same flags, ``cu_seqlens_cpu`` passed to both; a
 1K-token forward+backward runs first in every cell, so the reserved peak is that of a process
@@ -15,7 +15,7 @@ gradients) and two time floors:
   (With grouped value heads, H q/k heads and HV value heads, the bytes count each tensor at its
   own head count and the FLOPs count value heads.)
 
-Cells are ``MBSxSEQ:H`` (SPEC §3), ``MBSxSEQ:H/HV`` (grouped value heads: q/k H heads, v/g/beta
+Cells are ``MBSxSEQ:H`` (docs/spec.md §3), ``MBSxSEQ:H/HV`` (grouped value heads: q/k H heads, v/g/beta
 HV) or ``...:softplus`` (the unbounded gate: use_gate_in_kernel, safe_gate=False,
 lower_bound=None, A_log and dt_bias given).
 
@@ -51,8 +51,8 @@ except ImportError:  # no torch in this interpreter (--help, --warm-cells): that
     Cell, cell_of_record, parse_cells = _mw.Cell, _mw.cell_of_record, _mw.parse_cells
 
 SHAPES = "1x8192:96,8x8192:16,1x8192:128,1x131072:96"
-COPY_BW = 4.3e12     # bytes/s, measured device-to-device copy on the H200 (SPEC §7)
-MATMUL_RATE = 790e12  # FLOP/s, measured bf16 8192^3 matmul on the H200 (SPEC §7)
+COPY_BW = 4.3e12     # bytes/s, measured device-to-device copy on the H200 (docs/spec.md §7)
+MATMUL_RATE = 790e12  # FLOP/s, measured bf16 8192^3 matmul on the H200 (docs/spec.md §7)
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     out = []
@@ -82,7 +82,7 @@ def time_floors_ms(mbs: int, seq: int, heads: int, d: int = 128, chunk: int = 64
 
 
 def warm_cells(cells: list[Cell], seq: int = 1024) -> list[Cell]:
-    """Small cells (1 x ``seq``) for the kernel variants that ``cells`` need beyond SPEC §3's.
+    """Small cells (1 x ``seq``) for the kernel variants that ``cells`` need beyond the docs/spec.md §3 cells.
 
     One per distinct (H, HV, gate) among the cells with grouped value heads or the softplus
     gate: FLA's autotune keys and constexprs hold H and HV (its keys do not hold T), kdakit's
@@ -100,7 +100,7 @@ def warm_cells(cells: list[Cell], seq: int = 1024) -> list[Cell]:
 
 
 def correctness_gate(T: int = 2048, H: int = 4, seed: int = 0) -> dict:
-    """kdakit's Triton path (bf16, SPEC §3 flags plus states) against the float64 chunked reference."""
+    """kdakit's Triton path (bf16, docs/spec.md §3 flags plus states) against the float64 chunked reference."""
     import torch
 
     from kdakit import chunk_kda
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "git_sha": sha,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "protocol": (f"SPEC §3: bf16, D=128, l2norm + beta sigmoid + in-kernel gate (safe, lb -5, unless the cell "
+        "protocol": (f"docs/spec.md §3: bf16, D=128, l2norm + beta sigmoid + in-kernel gate (safe, lb -5, unless the cell "
                      f"says softplus), cu_seqlens{'' if args.no_cu_seqlens_cpu else ' + cu_seqlens_cpu'}, no states, "
                      f"7 inputs differentiated; 1x{args.warmup_seq} fwd+bwd first, then {args.warmup_iters} at the "
                      f"target; median of {args.reps} fwd+bwd peaks; times: median of {args.timing_runs} CUDA-event "

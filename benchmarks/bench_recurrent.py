@@ -36,7 +36,7 @@ import traceback
 
 import torch
 
-os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # FLA's native Triton path, as in SPEC §2's table
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # FLA's native Triton path, as in the docs/spec.md §3 protocol
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 

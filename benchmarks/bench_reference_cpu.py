@@ -2,7 +2,7 @@
 
     python benchmarks/bench_reference_cpu.py [--seq 4096] [--heads 4] [--dim 128] [--runs 3]
 
-bf16 inputs, SPEC §3 flags (l2norm, beta sigmoid, safe gate -5 in kernel); prints the median of
+bf16 inputs, docs/spec.md §3 flags (l2norm, beta sigmoid, safe gate -5 in kernel); prints the median of
 ``--runs`` timed runs after one warm-up and the torch thread count.
 """
 

@@ -1,6 +1,6 @@
 """kdakit vs FLA from bench_chunk.py results files: tables with ratios and floors.
 
-* SPEC shapes (``--kdakit`` and ``--fla``): run_gpu.sh's `chunk` and `fla` stages write separate
+* The docs/spec.md §3 shapes (``--kdakit`` and ``--fla``): run_gpu.sh's `chunk` and `fla` stages write separate
   files (each cell is its own process either way); this joins them per shape, keeps each side's
   provenance (git sha, date, versions), and prints the markdown table of the README: peak allocated
   (and reserved) beside the floor and the 1.10 x floor target, forward and forward+backward times
@@ -36,7 +36,7 @@ def _load(path: str) -> dict:
 
 
 def cell_label(r: dict) -> str:
-    """``MBSxSEQ:H[/HV][:gate]`` of a record (records without value_heads / gate are SPEC cells)."""
+    """``MBSxSEQ:H[/HV][:gate]`` of a record (records without value_heads / gate are docs/spec.md §3 cells)."""
     out = f"{r['mbs']}x{r['seq']}:{r['heads']}"
     hv = r.get("value_heads")
     if hv is not None and int(hv) != int(r["heads"]):
@@ -218,8 +218,8 @@ def environment(env_path: str | None, sources: list[dict], versions: dict | None
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kdakit", help="bench_chunk.py results of kdakit at the SPEC shapes")
-    ap.add_argument("--fla", help="bench_chunk.py results of FLA at the SPEC shapes")
+    ap.add_argument("--kdakit", help="bench_chunk.py results of kdakit at the docs/spec.md §3 shapes")
+    ap.add_argument("--fla", help="bench_chunk.py results of FLA at the docs/spec.md §3 shapes")
     ap.add_argument("--sweep", action="append", default=[], help="sweep results file(s) (kdakit and/or FLA records)")
     ap.add_argument("--env", default=None, help="run_gpu.sh's env.json (GPU, versions, git sha, date)")
     ap.add_argument("--out", required=True)

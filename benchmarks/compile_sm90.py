@@ -2,7 +2,7 @@
 and (``--only lean``) the default backward's stage 2 from the window's intermediates.
 
 Usage: python benchmarks/compile_sm90.py [--warps-grads N] [--warps-states N] [--warps-prep N]
-(no TRITON_INTERPRET). The SPEC §3 flags at K = V = 128, bf16: what the H200 will run.
+(no TRITON_INTERPRET). The docs/spec.md §3 flags at K = V = 128, bf16: what the H200 will run.
 """
 import argparse
 import os
@@ -45,7 +45,7 @@ def build(fn, const, warps, stages=1):
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-    # What the JIT specializes at the SPEC shapes (H, HV, T and token strides multiples of 16, tensors 16-byte
+    # What the JIT specializes at the docs/spec.md §3 shapes (H, HV, T and token strides multiples of 16, tensors 16-byte
     # aligned): without these hints nothing vectorizes and the register counts are not the GPU's.
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in const and n not in UNALIGNED and sig[n] != "fp32"}

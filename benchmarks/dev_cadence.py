@@ -4,7 +4,7 @@ memory goes after a short warm-up call.
 1. ``--cadences``: forward+backward time, per-kernel CUDA time and peak allocated of the default chunk
    path at one shape for several ``checkpoint_every_n_tokens`` (at L = 256 = the backward's window the
    window-start stage has nothing to do).
-2. ``--snapshot``: in this process, a 1K-token step first (the SPEC §3 protocol's warm-up), then the
+2. ``--snapshot``: in this process, a 1K-token step first (the docs/spec.md §3 protocol's warm-up), then the
    shape's step with the allocator's history recorded; the segments reserved at the peak and the trace
    are written to ``--out-dir`` (``snapshot_<shape>.pickle``, readable with torch.cuda._memory_viz).
 
@@ -33,7 +33,7 @@ def step_fn(mbs, seq, heads, cadence):
 
     def step():
         for t in (*x.values(), A_log, dt_bias):
-            t.grad = None  # as the SPEC §3 protocol: no gradient accumulation kernels in the timing
+            t.grad = None  # as the docs/spec.md §3 protocol: no gradient accumulation kernels in the timing
         o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
                          use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                          safe_gate=True, lower_bound=-5.0, checkpoint_every_n_tokens=cadence)

@@ -1,7 +1,7 @@
 """Time variants of the 64-token forward's intra kernel alone on the GPU (development tool).
 
 Each variant is chunk_fwd64.py's source with parts switched off (timing only: the results of an ablated
-kernel are not the operator's), loaded as its own module; run_intra is timed on the SPEC §3 inputs
+kernel are not the operator's), loaded as its own module; run_intra is timed on the docs/spec.md §3 inputs
 (median of 20 CUDA-event runs after 3 warm-ups).
 
 Usage: python benchmarks/dev_intra64.py --out intra.json [--shape 1x8192:96] [--variants full,nopair,...]

@@ -1,6 +1,6 @@
 """Per-kernel CUDA time of kdakit's chunk forward and backward (torch.profiler), on the GPU.
 
-Answers "which kernel owns the time" before tuning: for each shape, one warm-up step then ``--steps`` profiled forward+backward steps with the SPEC §3 flags (bf16,
+Answers "which kernel owns the time" before tuning: for each shape, one warm-up step then ``--steps`` profiled forward+backward steps with the docs/spec.md §3 flags (bf16,
 K = V = 128, l2norm, beta sigmoid, safe gate lb -5, cu_seqlens). Prints and writes a table of
 kernel name, calls per step and CUDA milliseconds per step.
 

@@ -16,19 +16,19 @@
 #   warm   ~140 s    [160]  kdakit correctness gate (kdakit's first compile, ~30-60 s) while, in the
 #                           background, FLA tunes and compiles the sweep's GVA and softplus variants
 #                           (one process, cells in turn: ~45 s + ~95 s, the autotune keys of GVA are
-#                           not in the carried cache) and kdakit compiles its SPEC and sweep variants;
+#                           not in the carried cache) and kdakit compiles its protocol and sweep variants;
 #                           all of it joined before anything is timed. (FLA's GVA / softplus autotune
 #                           benchmarks thus share the GPU with kdakit's compile processes, whose GPU
 #                           work is a few 1K-token steps.)
-#   chunk   ~60 s    [100]  kdakit at the four SPEC shapes, fresh process per cell
-#   fla    ~120 s    [150]  FLA at the four SPEC shapes (~20 s first call per head count with the
+#   chunk   ~60 s    [100]  kdakit at the four protocol shapes (docs/spec.md §3), fresh process per cell
+#   fla    ~120 s    [150]  FLA at the four protocol shapes (~20 s first call per head count with the
 #                           carried autotune cache), fresh process per cell
 #   sweep   ~50 s    [80]   kdakit and FLA at SWEEP_SHAPES, one process per backend (1 memory rep,
 #                           5 timing runs), sweep.json
 #   profile ~15 s    [20]   kdakit's per-kernel CUDA time at 1x8192:96
 #   tests  the rest  [rest] GPU test tier (-x), whatever time is left (~150 s when the stages above take
 #                           their expected times, nothing when they all run to their limits)
-#   end      ~3 s           chunk_vs_fla.json (SPEC join + sweep join), autotune_new.json, triton_autotune.tgz
+#   end      ~3 s           chunk_vs_fla.json (protocol join + sweep join), autotune_new.json, triton_autotune.tgz
 #
 #   bash benchmarks/run_gpu.sh [STAGE ...]   stages run in the order given:
 #       env warm chunk fla sweep profile chunk64 tests recurrent tune tunecompile flawarm wait
@@ -37,7 +37,7 @@
 #   warm      the correctness gate (gate.json) in the foreground; in the background FLA's
 #             autotuning/compilation of the GVA / softplus cells of SWEEP_SHAPES (FLAWARM_SHAPES;
 #             one process, cells in turn; FLAWARM_PARALLEL=1: one process per cell) and kdakit's
-#             compilation of KDAWARM_SHAPES (SPEC variants) and the sweep variants; joins all of it
+#             compilation of KDAWARM_SHAPES (protocol variants) and the sweep variants; joins all of it
 #   chunk     kdakit at SHAPES (runs the correctness gate itself when `warm` has not)
 #   fla       FLA 0.6.0 at FLA_SHAPES
 #   sweep     kdakit and FLA at SWEEP_SHAPES (SWEEP_PROCESS=shared|fresh, SWEEP_REPS, SWEEP_TIMING_RUNS)
@@ -53,7 +53,7 @@
 #             `wait` joins it
 # A failed correctness gate drops kdakit's timings from chunk and sweep (IGNORE_GATE=1 times it anyway).
 # Every stage's file is written as it goes, so a stage cut by its limit keeps what it measured.
-# Cells are MBSxSEQ:H (SPEC §3), MBSxSEQ:H/HV (grouped value heads) and MBSxSEQ:H:softplus (the
+# Cells are MBSxSEQ:H (docs/spec.md §3), MBSxSEQ:H/HV (grouped value heads) and MBSxSEQ:H:softplus (the
 # unbounded gate). Triton autotuning is cached on disk (TRITON_CACHE_DIR); all tuned configs are
 # packed into $OUT/triton_autotune.tgz (put it at .tcache/triton_autotune.tgz for the next machine),
 # and $OUT/autotune_new.json lists what this run tuned (an entry whose kernel and key were already
@@ -94,11 +94,11 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/kdakit_triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .tcache/triton_autotune.tgz ] && tar xzf .tcache/triton_autotune.tgz -C "$TRITON_CACHE_DIR"
 export FLA_DISABLE_BACKEND_DISPATCH=1
-# SPEC §3 shapes; the 128K cell second, so that a stage cut by its limit loses an 8K cell, not it.
+# The docs/spec.md §3 shapes; the 128K cell second, so that a stage cut by its limit loses an 8K cell, not it.
 SHAPES=${SHAPES:-1x8192:96,1x131072:96,8x8192:16,1x8192:128}
 FLA_SHAPES=${FLA_SHAPES:-$SHAPES}
 # 2K..128K tokens, H 16..128, one GVA cell (H16, HV32) and one softplus-gate cell. Head counts are
-# those of the SPEC shapes, which the `fla` stage has compiled and whose autotuning is carried
+# those of the protocol shapes, which the `fla` stage has compiled and whose autotuning is carried
 # (.tcache holds H 16/32/48/96/128, not 64); the GVA cell's (H, HV) keys are tuned by `warm`.
 SWEEP_SHAPES=${SWEEP_SHAPES:-1x2048:96,8x2048:16,1x32768:128,2x65536:16,1x8192:96:softplus,1x8192:16/32}
 autotune_count() { find "$TRITON_CACHE_DIR" -name "*.autotune.json" 2>/dev/null | wc -l; }

@@ -1,6 +1,6 @@
 """``kdakit demo``: run KDA forward+backward once and check it against the naive definition.
 
-The check uses SPEC-level tolerances on the RMS error ratio against a float64 run of
+The check uses the accuracy limits of docs/spec.md §8 on the RMS error ratio against a float64 run of
 ``naive_recurrent_kda`` on the same inputs: o and final state <= 0.005; dq, dk, dv,
 dA_log, ddt_bias, dh0 <= 0.008; dg, dbeta <= 0.02.
 """
@@ -18,7 +18,7 @@ from kdakit.ops.kda.chunk import chunk_kda
 from kdakit.ops.kda.naive import naive_recurrent_kda
 from kdakit.testing import SPEC_RMS_LIMITS, error_report
 
-# SPEC limits under the demo's names (dh0 is run_kda's dinitial_state).
+# docs/spec.md §8's limits under the demo's names (dh0 is run_kda's dinitial_state).
 TOLERANCES = {("dh0" if n == "dinitial_state" else n): lim for n, lim in SPEC_RMS_LIMITS.items()}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -146,7 +146,7 @@ def run_kda(fn, inputs: dict, *, seed: int | None = None, **extra) -> dict:
     return res
 
 
-# SPEC-level accuracy of 16-bit inputs against the float64 definition (RMS error ratio), keyed
+# The accuracy of 16-bit inputs against the float64 definition (RMS error ratio; docs/spec.md §8), keyed
 # by ``run_kda``'s names.
 SPEC_RMS_LIMITS = {
     "o": 0.005, "final_state": 0.005,

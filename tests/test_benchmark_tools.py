@@ -105,13 +105,13 @@ def test_cells_parse_label_and_reject_bad_input():
                                                  "gate": "safe", "cell": "2x65536:32"}
     for text in ("1x8192:16/32", "1x8192:96:softplus", "4x4096:32", "1x2048:8/32:softplus"):
         assert parse_cell(text).label == text
-    assert parse_cell("1x8192:16/16").label == "1x8192:16"  # HV = H is the SPEC cell
+    assert parse_cell("1x8192:16/16").label == "1x8192:16"  # HV = H is the protocol's cell (docs/spec.md §3)
     assert parse_cell("1x8192:16/32").hv == 32 and parse_cell("1x8192:16").hv == 16
     assert [c.tokens for c in parse_cells("1x2048:32, 2x65536:32")] == [2048, 131072]
     for bad in ("1x8192:16/24", "1x8192:16:bogus", "8192:16", "1x8192", "0x8192:16", "1x8192:a", ""):
         with pytest.raises(ValueError):
             parse_cells(bad)
-    # Records written before GVA / gate support are SPEC cells.
+    # Records written before GVA / gate support are protocol cells (HV = H, safe gate).
     assert measure_worker.cell_of_record({"mbs": 8, "seq": 8192, "heads": 16}) == Cell(8, 8192, 16)
     assert cell_label({"mbs": 1, "seq": 8192, "heads": 16, "value_heads": 32, "gate": "softplus"}) == \
         "1x8192:16/32:softplus"
@@ -329,7 +329,7 @@ def test_compare_cli_writes_sweep_env_and_git_sha(tmp_path):
                    check=True, capture_output=True)
     res = json.load(open(out))
     assert res["git_sha"] == "abc1234" and res["env"]["gpu"] == "NVIDIA H200" and res["env"]["fla"] == "0.6.0"
-    assert res["env"]["date"].startswith("2026-12-02") and "rows" not in res  # no SPEC files given
+    assert res["env"]["date"].startswith("2026-12-02") and "rows" not in res  # no --kdakit / --fla files given
     assert [r["shape"] for r in res["sweep"]["rows"]][0] == "1x2048:96"
     assert res["sweep"]["files"][0]["process_mode"] == "shared"
     # Without env.json the results files' provenance fills the environment in.
@@ -344,7 +344,7 @@ def test_compare_cli_writes_sweep_env_and_git_sha(tmp_path):
 def test_bench_comparisons_match_by_cell_label():
     recs = [_record("kdakit", 1, 8192, 16, 1.0, 2.0, 8.0, value_heads=32, fwd_nograd_ms=1.5),
             _record("fla", 1, 8192, 16, 4.0, 1.0, 4.0, value_heads=32, fwd_nograd_ms=1.0),
-            _record("fla", 1, 8192, 16, 3.0, 1.0, 2.0)]  # the H16 SPEC cell is another cell
+            _record("fla", 1, 8192, 16, 3.0, 1.0, 2.0)]  # the H16 protocol cell (HV = H) is another cell
     (c,) = comparisons_of(recs)
     assert c["shape"] == "1x8192:16/32" and c["fwd_bwd_ratio_kdakit_over_fla"] == pytest.approx(2.0)
     assert c["fwd_nograd_ratio_kdakit_over_fla"] == pytest.approx(1.5)

@@ -1,4 +1,4 @@
-"""``kdakit mem measure``: the SPEC §3 memory protocol over backends x shapes.
+"""``kdakit mem measure``: the memory protocol of docs/spec.md §3 over backends x shapes.
 
 Every backend x shape cell runs in a fresh subprocess
 (:mod:`kdakit.memory.measure_worker`) started with the protocol's environment
@@ -6,7 +6,7 @@ Every backend x shape cell runs in a fresh subprocess
 ``KDAKIT_BACKEND``). A cell that runs out of memory is recorded as ``oom``; one that
 exceeds its time limit is killed and recorded as ``timeout``; either way the run goes on.
 Each finished cell is reported at once (a JSON line, or a row of the markdown table at the
-end), with the SPEC §3 floor, the overhead above it and, where a model exists
+end), with the floor (docs/spec.md §3), the overhead above it and, where a model exists
 (:mod:`kdakit.memory.model`), the model's peak and its deviation.
 
 Backends: ``kdakit`` (``kdakit.chunk_kda``, Triton kernels), ``fla`` (FLA 0.6.0
@@ -345,7 +345,7 @@ def run_measure(backends: list[str], shapes, options: MeasureOptions, progress=s
                 shared_process: bool = False, deadline: float | None = None) -> list[dict]:
     """Measure every backend x shape cell; ``on_result(record)`` is called as each cell finishes.
 
-    Fresh process per cell (SPEC §3), cells in shape order, backends interleaved; with
+    Fresh process per cell (docs/spec.md §3), cells in shape order, backends interleaved; with
     ``shared_process`` one process per backend runs all of its cells (backend by backend).
     ``deadline`` (``time.monotonic()``) caps every limit; see the module docstring.
     """

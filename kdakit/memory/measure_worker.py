@@ -3,7 +3,7 @@
 Run by :mod:`kdakit.memory.measure` as ``python -m kdakit.memory.measure_worker ...``;
 prints progress on stderr and, on stdout, one line ``KDAKIT_MEM_RESULT {json}`` per cell.
 
-The SPEC §3 protocol, step by step:
+The protocol of docs/spec.md §3, step by step:
 
 1. Environment before torch/FLA load: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False``;
    ``FLA_DISABLE_BACKEND_DISPATCH=1`` (FLA's native Triton path); ``KDAKIT_BACKEND=triton``
@@ -13,7 +13,7 @@ The SPEC §3 protocol, step by step:
    cu_seqlens (and the same offsets on the host as ``cu_seqlens_cpu``, passed to both
    backends unless ``--no-cu-seqlens-cpu``); all seven inputs differentiated; in-kernel
    l2norm, beta sigmoid and safe gate with lower bound -5; no initial or final state.
-   Beyond SPEC §3 (defaults unchanged): ``--value-heads HV`` for grouped value heads
+   Beyond the protocol (defaults unchanged): ``--value-heads HV`` for grouped value heads
    (q/k have ``--heads`` H heads; v, g, beta, A_log, dt_bias, dO have HV) and
    ``--gate softplus`` (``use_gate_in_kernel=True, safe_gate=False, lower_bound=None``
    with A_log and dt_bias given: the unbounded gate).
@@ -86,7 +86,7 @@ def protocol_env(backend: str, base: dict | None = None) -> dict:
 class Cell:
     """One measured shape: ``mbs`` sequences of ``seq`` tokens, H q/k heads, HV value heads, gate mode.
 
-    Written ``MBSxSEQ:H`` (SPEC §3: HV = H, safe gate), ``MBSxSEQ:H/HV`` (grouped value heads)
+    Written ``MBSxSEQ:H`` (the protocol's cells, docs/spec.md §3: HV = H, safe gate), ``MBSxSEQ:H/HV`` (grouped value heads)
     and ``...:softplus`` (the unbounded in-kernel gate); ``SEQ`` may be written ``8k``.
     """
 
@@ -180,7 +180,7 @@ def as_cell(shape) -> Cell:
 
 
 def cell_of_record(r: dict) -> Cell:
-    """The cell a result record belongs to (records written before GVA/gate support are SPEC cells)."""
+    """The cell a result record belongs to (records written before GVA/gate support are protocol cells: HV = H, safe gate)."""
     return Cell(int(r["mbs"]), int(r["seq"]), int(r["heads"]), r.get("value_heads"), r.get("gate") or "safe")
 
 
@@ -245,10 +245,10 @@ def load_backend(name: str, checkpoint_every: int | None):
 
 def make_inputs(mbs: int, seq: int, heads: int, dim: int, device: str, seed: int,
                 value_heads: int | None = None, gate: str = "safe", cu_seqlens_cpu: bool = True) -> dict:
-    """SPEC §3 inputs, packed as B = 1 with cu_seqlens; identical for every backend at a seed.
+    """The protocol's inputs (docs/spec.md §3), packed as B = 1 with cu_seqlens; identical for every backend at a seed.
 
     ``heads`` is the q/k head count H, ``value_heads`` (default H) the value head count HV of
-    v, g, beta, A_log, dt_bias and dO. With HV = H the tensors are those of SPEC §3.
+    v, g, beta, A_log, dt_bias and dO. With HV = H the tensors are exactly the protocol's.
     """
     import torch
 

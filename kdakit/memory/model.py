@@ -1,6 +1,6 @@
 """Analytic peak-memory model of one KDA forward+backward step, tensor by tensor, on CPU.
 
-The step is the SPEC §3 protocol: the caller holds q, k, v, g, beta, A_log, dt_bias
+The step is the memory protocol of docs/spec.md §3: the caller holds q, k, v, g, beta, A_log, dt_bias
 (all differentiated), cu_seqlens and dO; it runs ``o = chunk_kda(...)`` and
 ``o.backward(dO)``. The model replays every device allocation of that step in program
 order on a :class:`Timeline` (allocate, free), tracks the live bytes, and reports the
@@ -30,7 +30,7 @@ Backends:
   (output), ``fla/ops/kda/gate.py``, ``fla/ops/common/gate.py``,
   ``fla/modules/norm/l2norm.py`` and ``fla/ops/utils/cumsum.py``. Python locals keep a
   tensor alive until the function that holds it returns or rebinds the name; the replay
-  follows those lifetimes. With the SPEC §3 flags the peak falls inside
+  follows those lifetimes. With the protocol's flags the peak falls inside
   ``chunk_kda_bwd_intra``, when ``db2.sum(0)`` is allocated while the fp32 stage buffers
   of two backward stages, every recomputed intermediate, h and dh are all alive.
 * ``kdakit``: built from the plan the kernels themselves use,
@@ -72,7 +72,7 @@ _DTYPE_NAMES = {
 GATES = ("safe", "softplus", "precomputed")
 BACKENDS = ("kdakit", "fla", "reference")
 
-FLA_CHUNK = 64          # FLA's chunk_kda chunk size (default, and what SPEC §3 measured)
+FLA_CHUNK = 64          # FLA's chunk_kda chunk size (default, and what the docs/spec.md §3 figures used)
 FLA_SUB_CHUNK = 16      # fp32 diagonal-block buffer width in chunk_kda_fwd_intra
 FLA_GATE_BWD_ROWS = 32  # token rows per program in kda_gate_bwd (its partial-sum count)
 
@@ -144,7 +144,7 @@ def parse_backends(text: str, allowed=BACKENDS) -> list[str]:
 
 @dataclass(frozen=True)
 class CallSpec:
-    """One ``chunk_kda`` call in the SPEC §3 protocol; defaults are the protocol's flags.
+    """One ``chunk_kda`` call in the docs/spec.md §3 protocol; defaults are the protocol's flags.
 
     ``mbs`` sequences of ``seq`` tokens each, packed as B = 1 with ``cu_seqlens``
     (``varlen=True``) or laid out as ``[mbs, seq, ...]`` (``varlen=False``). ``heads`` is
@@ -234,12 +234,12 @@ class CallSpec:
 
 
 def protocol_spec(mbs: int, seq: int, heads: int, **options) -> CallSpec:
-    """The SPEC §3 configuration at one shape, with optional overrides."""
+    """The docs/spec.md §3 configuration at one shape, with optional overrides."""
     return CallSpec(mbs=mbs, seq=seq, heads=heads, **options)
 
 
 def floor_bytes(spec: CallSpec) -> int:
-    """SPEC §3 floor: inputs + dO + O + their gradients (q, k, v, g, beta; state and gate params excluded).
+    """The floor of docs/spec.md §3: inputs + dO + O + their gradients (q, k, v, g, beta; state and gate params excluded).
 
     For K = V = D and H = HV this is ``20 T H D + 4 T H`` bytes in bf16.
     """

@@ -2,7 +2,7 @@
 
 Each bar is a :class:`kdakit.memory.model.MemoryModel` at one shape, stacked in the order
 of :data:`kdakit.memory.model.GROUPS` and labelled with each group's GiB and the total.
-A dashed line marks the SPEC §3 floor; measured peaks (from ``kdakit mem measure --json``
+A dashed line marks the floor (docs/spec.md §3); measured peaks (from ``kdakit mem measure --json``
 records) can be drawn as markers beside the bars. matplotlib is imported only here, and
 only when a plot is drawn (from the kdakit source tree: ``pip install -e '.[plot]'``).
 """

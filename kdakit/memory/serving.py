@@ -1,4 +1,4 @@
-"""Active attention-state memory of a KDA/MLA hybrid when serving (SPEC §6, seed 004).
+"""Active attention-state memory of a KDA/MLA hybrid when serving (docs/spec.md §6).
 
 A hybrid has ``L`` layers: ``n_kda`` Kimi Delta Attention layers and ``n_mla`` Multi-head Latent
 Attention layers. Serving ``b`` sequences of ``T`` tokens keeps, per device:
@@ -10,7 +10,7 @@ Attention layers. Serving ``b`` sequences of ``T`` tokens keeps, per device:
     ratio    = M_hybrid / M_MLA = n_mla / L + n_kda * sigma / (L * kappa * T)
     T*       = sigma / kappa                           (the hybrid holds less state exactly when T > T*)
 
-For the 3:1 pattern of seed 004 (``L = 4l``, ``n_kda = 3l``, ``n_mla = l``) these are
+For the 3:1 pattern of docs/spec.md §6 (``L = 4l``, ``n_kda = 3l``, ``n_mla = l``) these are
 ``M_MLA = 4 b l kappa T``, ``M_hybrid = b l (kappa T + 3 sigma)`` and ``ratio = 1/4 + 3 sigma / (4 kappa T)``.
 T* does not depend on the pattern: every KDA layer trades ``sigma`` fixed bytes for ``kappa T``.
 
@@ -81,7 +81,7 @@ DTYPE_BYTES = {
 CONV_STATE_COLUMNS = ("width-1", "width")
 
 SCOPE_NOTE = (
-    "active attention state only (SPEC §6): weights, activations, workspaces, allocator padding, "
+    "active attention state only (docs/spec.md §6): weights, activations, workspaces, allocator padding, "
     "paged-cache block rounding and saved prefix states are not included"
 )
 TP_NOTE = (
@@ -260,7 +260,7 @@ def _kimi_linear_48b_a3b() -> HybridModelConfig:
 
 
 def _generic_4l_3to1() -> HybridModelConfig:
-    # The seed-004 model: 4l layers with l = 8 (32 layers, a common depth), every fourth layer MLA.
+    # The docs/spec.md §6 model: 4l layers with l = 8 (32 layers, a common depth), every fourth layer MLA.
     # Per-layer sizes equal Kimi Linear's, so comparing the two presets isolates the pattern.
     kda, mla = pattern_from_ratio(32, 3, 1)
     return HybridModelConfig(

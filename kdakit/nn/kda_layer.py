@@ -78,7 +78,7 @@ from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MODES = ("chunk", "fused_recurrent")
-# Range of the gate's lower bound accepted by chunk_kda's safe-gate path (SPEC §2).
+# Range of the gate's lower bound accepted by chunk_kda's safe-gate path (docs/spec.md §2.3).
 SAFE_LOWER_BOUND_MIN = -5.0
 # FLA's initialization: A_log = log(U(A_INIT_MIN, A_INIT_MAX)); dt log-uniform in [DT_MIN, DT_MAX].
 A_INIT_MIN, A_INIT_MAX = 1.0, 16.0

@@ -1,7 +1,7 @@
 """The analytic memory model (kdakit/memory/model.py) against measured and saved-tensor figures.
 
 * FLA 0.6.0: the source-based replay must reproduce FLA's peaks measured on the H200 by
-  the SPEC §3 protocol (SPEC §3 table) within 2%.
+  the protocol of docs/spec.md §3 (its table) within 2%.
 * Group bytes at the peak sum to the peak for every backend and option mix.
 * Saved-for-backward bytes: counted by ``torch.autograd.graph.saved_tensors_hooks`` on the
   real code paths (PyTorch reference on CPU; Triton kernels under the interpreter), they
@@ -33,7 +33,7 @@ from kdakit.memory.model import (
     reference_saved_bytes,
 )
 
-# FLA 0.6.0 on H200, SPEC §3 protocol, max_memory_allocated (GiB): the SPEC §3 table.
+# FLA 0.6.0 on H200, docs/spec.md §3 protocol, max_memory_allocated (GiB): the docs/spec.md §3 table.
 FLA_MEASURED = [((1, 8192, 96), 6.590), ((8, 8192, 16), 8.787), ((1, 8192, 128), 8.787), ((1, 131072, 96), 105.445)]
 SPEC_FLOORS = [((1, 131072, 96), 30.047), ((1, 8192, 96), 1.878), ((8, 8192, 16), 2.504), ((1, 8192, 128), 2.504)]
 
@@ -81,7 +81,7 @@ def test_groups_at_the_peak_sum_to_the_peak(backend, options):
 
 def test_fla_state_series_and_recompute_match_closed_forms():
     # 1 x 128K, H96, D128: h and dh are [T/64, H, K, V] bf16 each; w, u, qg, kg, v_new bf16 and
-    # the gate cumsum fp32 are full-sequence [T, H, D] tensors (seed 000's account).
+    # the gate cumsum fp32 are full-sequence [T, H, D] tensors (docs/spec.md §4).
     T, H, D = 131072, 96, 128
     m = fla_model(protocol_spec(1, T, H))
     groups = m.groups()

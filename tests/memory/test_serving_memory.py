@@ -1,4 +1,4 @@
-"""Serving-memory estimator (SPEC §6, seed 004) and ``kdakit serve-mem``.
+"""Serving-memory estimator (docs/spec.md §6) and ``kdakit serve-mem``.
 
 Expected values are computed here by hand from the layer geometry, independently of the library's
 helpers, and the library is checked against them.

@@ -2,7 +2,7 @@
 ``chunk_fwd64.py``, ``chunk_bwd64.py``) on the Triton interpreter: the public chunk_kda's outputs and gradients
 against the float64 naive definition over the option matrix (fp32: round-off only), sequences
 that span several 64-token chunks, several V blocks, GVA, both state layouts; bf16 within the
-SPEC limits; the selector's error."""
+docs/spec.md §8 limits; the selector's error."""
 
 import pytest
 import torch

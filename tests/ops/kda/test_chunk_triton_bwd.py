@@ -2,7 +2,7 @@
 
 1. ``chunk_bwd_reference`` (hand-written chunk backward + two-level recompute driver) must equal
    ``torch.autograd`` of ``naive_recurrent_kda`` in float64 to round-off, for every gradient and
-   option: this validates the design note's derivation.
+   option: this validates the derivation of the chunked form (docs/spec.md §2.9).
 2. ``chunk_kda_bwd`` (Triton, under ``TRITON_INTERPRET=1``) must match that twin on fp32 inputs
    (and, through it, autograd). Checkpoints come from the twin's forward, so the backward is tested
    on its own. Cadences are tiny (checkpoint every 32 to 96 tokens, windows of 16 or 32) so
@@ -306,7 +306,7 @@ def test_workspace_allocations_are_what_the_launcher_allocates(monkeypatch, h0, 
 
 
 def test_workspace_bytes_at_benchmark_shapes():
-    """Workspace + checkpoints within the SPEC budget above the floor (190 MB at 1x8K H96, 250 MB at 8x8K H16)."""
+    """Workspace + checkpoints within a budget above the floor of docs/spec.md §3 (190 MB at 1x8K H96, 250 MB at 8x8K H16)."""
 
     for N, HV, budget in ((1, 96, 190e6), (8, 16, 250e6), (1, 128, 250e6)):
         p = plan_kda(seqlens=[8192] * N, H=HV, K=128)  # the default cadence and checkpoint dtype

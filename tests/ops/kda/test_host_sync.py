@@ -1,5 +1,5 @@
 """chunk_kda reads no device tensor back to the host when the caller gives cu_seqlens_cpu, and a
-fixed-length call (cu_seqlens=None) never does (SPEC §2; FLA 0.6.0's cu_seqlens_cpu contract).
+fixed-length call (cu_seqlens=None) never does (docs/spec.md §2.5; FLA 0.6.0's cu_seqlens_cpu contract).
 
 Two probes stand in for a device on this CPU tier:
 

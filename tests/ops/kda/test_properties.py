@@ -33,7 +33,7 @@ from kdakit.testing import SPEC_RMS_LIMITS, assert_close
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # RMS error ratio against the float64 definition, per token dtype: float64 paths agree with it to
-# round-off; float32 ones to fp32 round-off (observed ~1e-6); 16-bit inputs to SPEC's limits.
+# round-off; float32 ones to fp32 round-off (observed ~1e-6); 16-bit inputs to docs/spec.md §8's limits.
 LIMITS = {
     "float64": {n: 1e-9 for n in SPEC_RMS_LIMITS},
     "float32": {n: (2e-4 if n in ("dg", "dbeta", "dA_log", "ddt_bias") else 5e-5) for n in SPEC_RMS_LIMITS},
