@@ -58,6 +58,16 @@ decode must be written by prefill with ``state_v_first=True``. The conv state is
 q, k, v; a row holds its sequence's last ``conv_size - 1`` projected (pre-conv) inputs, oldest
 first (the W-1 columns serving engines keep). Fresh sequences start from zeroed rows. Without
 ``state_indices``, ``conv_state`` is ``[N, conv_channels, conv_size - 1]``, one row per sequence.
+
+Host synchronization on the pool path: ``state_indices`` is read to the host once per call to
+check it (range ``[-1, P)``, distinct rows) before any pool row is touched, unless
+``check_indices=False`` or a CUDA graph is being captured. Everything else runs on the device
+with shapes fixed by the call's metadata: the conv pool is gathered with clamped indices and
+written back with one ``index_copy_`` of N rows (a padded sequence rewrites the bytes of another
+write, see ``_scatter_conv_rows``), never a boolean-mask selection. So with ``cu_seqlens_cpu`` (or
+fixed-length inputs) and ``check_indices=False`` the prefill and ``step`` read nothing back from
+the device and capture in a plain ``torch.cuda.graph`` (``step`` through ``kda_decode``'s kernel;
+its PyTorch backend is a host loop).
 """
 
 from __future__ import annotations
@@ -74,6 +84,7 @@ from kdakit.nn.short_conv import ShortConvolution
 from kdakit.ops.kda.chunk import chunk_kda
 from kdakit.ops.kda.decode import kda_decode
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
+from kdakit.ops.kda.workspace import check_capturable_offsets, is_capturing
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -242,11 +253,13 @@ class KimiDeltaAttention(nn.Module):
         output_attentions: bool | None = False,
         *,
         cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_cpu: torch.Tensor | None = None,
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
         state_v_first: bool = False,
         state_indices: torch.Tensor | None = None,
         conv_state: torch.Tensor | None = None,
+        check_indices: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None, object]:
         """Run the layer over whole sequences (training, prefill, or decode through a cache).
 
@@ -265,6 +278,10 @@ class KimiDeltaAttention(nn.Module):
             output_attentions: KDA has no attention weights: anything but None / False raises.
             cu_seqlens: int ``[N + 1]`` offsets of the packed sequences (zero-length ones legal).
                 Neither the convolution nor the recurrent state crosses a boundary.
+            cu_seqlens_cpu: the same offsets in a CPU int tensor (as ``chunk_kda``): the layer and
+                the op validate this host copy and never read ``cu_seqlens`` back from the device
+                (the caller promises the two are equal). Needed to capture a packed call in a
+                CUDA graph. Needs ``cu_seqlens``.
             initial_state: recurrent state ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
                 ``state_v_first``), or, with ``state_indices``, the state pool ``[P, HV, ...]``
                 whose rows ``state_indices`` are read and overwritten in place (not differentiated).
@@ -279,6 +296,12 @@ class KimiDeltaAttention(nn.Module):
                 as each sequence's left context of projected inputs (zeros for a fresh sequence)
                 and overwritten in place with its last ``conv_size - 1`` projected inputs; not
                 differentiated.
+            check_indices: with ``state_indices``, read them to the host once to check that they
+                lie in ``[-1, P)`` and that rows of different sequences are distinct (a
+                device->host copy), before any pool row is touched. Skipped while a CUDA graph is
+                being captured; pass False in a serving loop that guarantees them, for a call
+                without any synchronization. Unchecked, an index outside ``[-1, P)`` is
+                ``chunk_kda``'s indexing error on the device; the conv pool treats it as padded.
 
             The kdakit state arguments (``initial_state`` ... ``conv_state``) and a cache
             (``past_key_values`` / ``use_cache``) are two ways to carry state: one call takes one.
@@ -312,24 +335,31 @@ class KimiDeltaAttention(nn.Module):
             if past_key_values is None:
                 past_key_values = KDACache()
             last = read_layer_state(past_key_values, self.layer_idx)
+        if not isinstance(check_indices, bool):
+            raise TypeError(f"check_indices must be a bool, got {type(check_indices).__name__}")
+        if cu_seqlens_cpu is not None and cu_seqlens is None:
+            # the offsets an attention_mask gives are made on the device; a host copy of them is the caller's
+            raise ValueError("cu_seqlens_cpu needs cu_seqlens (its device copy), got cu_seqlens=None")
         indices = None
         if attention_mask is not None:
             valid = self._check_attention_mask("attention_mask", attention_mask, B, T, hidden_states.device)
             if cu_seqlens is None:
                 hidden_states, indices, cu_seqlens = _unpad(hidden_states, valid)
         if cached:
-            out, final = self._forward_cached(hidden_states, cu_seqlens, last, past_key_values, bool(use_cache), T)
+            out, final = self._forward_cached(hidden_states, cu_seqlens, cu_seqlens_cpu, last, past_key_values,
+                                              bool(use_cache), T)
         else:
-            out, final = self._forward_packed(hidden_states, cu_seqlens, initial_state, output_final_state,
-                                              state_v_first, state_indices, conv_state)
+            out, final = self._forward_packed(hidden_states, cu_seqlens, cu_seqlens_cpu, initial_state,
+                                              output_final_state, state_v_first, state_indices, conv_state,
+                                              check_indices)
         if indices is not None:
             out = _repad(out, indices, B, T)
         return out, final, past_key_values
 
-    def _forward_packed(self, hidden_states, cu_seqlens, initial_state, output_final_state, state_v_first,
-                        state_indices, conv_state):
+    def _forward_packed(self, hidden_states, cu_seqlens, cu_seqlens_cpu, initial_state, output_final_state,
+                        state_v_first, state_indices, conv_state, check_indices):
         B, T = hidden_states.shape[:2]
-        N = _check_cu_seqlens(cu_seqlens, B, T, hidden_states.device)
+        N = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, hidden_states.device)
         for name, flag in (("output_final_state", output_final_state), ("state_v_first", state_v_first)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -348,25 +378,28 @@ class KimiDeltaAttention(nn.Module):
         else:
             self._check_conv_state("conv_state", conv_state, N, hidden_states, "[N, conv_channels, conv_size - 1]")
 
-        if conv_state is not None and rows is not None:
-            _check_pool_rows("state_indices", state_indices, conv_state.shape[0])
+        if rows is not None and check_indices and not is_capturing(hidden_states.device) \
+                and isinstance(initial_state, torch.Tensor):
+            # the one host read of the pool path, before the conv pool is gathered or any row written;
+            # the op then skips its own read (a missing pool is the op's error, named there)
+            _check_index_values("state_indices", state_indices, initial_state.shape[0])
         contexts = None if conv_state is None else self._split_channels(
-            conv_state if rows is None else conv_state[rows.clamp(min=0)])
+            conv_state if rows is None else _gather_conv_rows(conv_state, rows))
         q, k, v, proj = self._mix_qkv(hidden_states, contexts, cu_seqlens)
         g, beta = self._gate_inputs(hidden_states)
-        o, final = self._kda(q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, state_v_first,
-                             state_indices)
+        o, final = self._kda(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, output_final_state,
+                             state_v_first, state_indices)
         if conv_state is not None:
-            # after the op, which has accepted (and range-checked) state_indices
+            # after the op, which has accepted its arguments: a rejected call leaves the conv state as it was
             _store_conv_state(conv_state, proj, _seq_lengths(B, T, cu_seqlens, hidden_states.device),
                               _seq_starts(B, T, cu_seqlens, hidden_states.device), rows)
         return self._output(o, hidden_states), final
 
-    def _forward_cached(self, hidden_states, cu_seqlens, last, cache, use_cache, offset):
+    def _forward_cached(self, hidden_states, cu_seqlens, cu_seqlens_cpu, last, cache, use_cache, offset):
         """FLA's cache path: continue from ``last`` (layer ``layer_idx``'s stored states, or None)
         and, with ``use_cache``, write the new ones with ``cache.update``."""
         B, T = hidden_states.shape[:2]
-        N = _check_cu_seqlens(cu_seqlens, B, T, hidden_states.device)
+        N = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, hidden_states.device)
         recurrent, windows = self._cached_states(last, N, hidden_states)
         contexts = None
         if windows is not None:
@@ -374,7 +407,7 @@ class KimiDeltaAttention(nn.Module):
             contexts = [None if w is None else w[:, :, 1:] for w in windows]
         q, k, v, proj = self._mix_qkv(hidden_states, contexts, cu_seqlens)
         g, beta = self._gate_inputs(hidden_states)
-        o, final = self._kda(q, k, v, g, beta, cu_seqlens, recurrent, use_cache, True, None)
+        o, final = self._kda(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, recurrent, use_cache, True, None)
         if use_cache:
             conv = None
             if self.use_short_conv:
@@ -393,6 +426,8 @@ class KimiDeltaAttention(nn.Module):
         conv_state: torch.Tensor | None,
         state_pool: torch.Tensor,
         state_indices: torch.Tensor,
+        *,
+        check_indices: bool = True,
     ) -> torch.Tensor:
         """Decode: advance N sequences by their next tokens, updating both pools in place.
 
@@ -406,6 +441,12 @@ class KimiDeltaAttention(nn.Module):
                 updated in place through ``kdakit.kda_decode``.
             state_indices: int32 ``[N]`` pool rows; ``-1`` marks a padded sequence (zero output,
                 no pool row touched).
+            check_indices: read ``state_indices`` to the host once to check their range
+                ``[-1, P)`` and that rows are distinct, before any pool row is touched (a
+                device->host copy). Skipped while a CUDA graph is being captured; pass False in a
+                serving loop that guarantees them: the step then reads nothing back from the
+                device (on ``kda_decode``'s kernel). Unchecked, an out-of-range row is treated as
+                padded (as ``kda_decode``), in the conv pool too.
 
         Returns:
             ``out [N, T, hidden_size]``. Not differentiable (inference only).
@@ -413,6 +454,8 @@ class KimiDeltaAttention(nn.Module):
         N, T = self._check_hidden("hidden_states", hidden_states)
         if T == 0:
             raise ValueError("hidden_states must carry at least one token per sequence, got T=0")
+        if not isinstance(check_indices, bool):
+            raise TypeError(f"check_indices must be a bool, got {type(check_indices).__name__}")
         _check_state_indices("state_indices", state_indices, N)
         if not isinstance(state_pool, torch.Tensor):
             raise TypeError(f"state_pool must be a torch.Tensor, got {type(state_pool).__name__}")
@@ -423,16 +466,18 @@ class KimiDeltaAttention(nn.Module):
                                "[P, conv_channels, conv_size - 1] (P rows as state_pool)")
 
         rows = state_indices.long()
-        if conv_state is not None:
-            _check_pool_rows("state_indices", state_indices, conv_state.shape[0])
-        contexts = None if conv_state is None else self._split_channels(conv_state[rows.clamp(min=0)])
+        if check_indices and not is_capturing(hidden_states.device):
+            # the one host read of the step, before the conv pool is gathered or any row written;
+            # kda_decode then skips its own read
+            _check_index_values("state_indices", state_indices, state_pool.shape[0])
+        contexts = None if conv_state is None else self._split_channels(_gather_conv_rows(conv_state, rows))
         q, k, v, proj = self._mix_qkv(hidden_states, contexts, None)
         g, beta = self._gate_inputs(hidden_states)
         o = kda_decode(
             q, k, v, g, beta, state_pool, state_indices,
             A_log=self.A_log, dt_bias=self.dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval,
-            lower_bound=self.lower_bound, safe_gate=self.safe_gate,
+            lower_bound=self.lower_bound, safe_gate=self.safe_gate, check_indices=False,
         )
         if conv_state is not None:
             _store_conv_state(conv_state, proj, _seq_lengths(N, T, None, hidden_states.device),
@@ -467,16 +512,19 @@ class KimiDeltaAttention(nn.Module):
         return (mixed[0].view(B, T, H, K), mixed[1].view(B, T, H, K),
                 mixed[2].view(B, T, HV, self.head_v_dim), proj)
 
-    def _kda(self, q, k, v, g, beta, cu_seqlens, initial_state, output_final_state, state_v_first, state_indices):
+    def _kda(self, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, output_final_state, state_v_first,
+             state_indices):
         """The layer's KDA op (``mode``) with the gate and beta activations inside it."""
         common = dict(
             initial_state=initial_state, output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
             allow_neg_eigval=self.allow_neg_eigval, lower_bound=self.lower_bound, state_v_first=state_v_first,
-            cu_seqlens=cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, A_log=self.A_log, dt_bias=self.dt_bias,
         )
         if self.mode == "chunk":
-            return chunk_kda(q, k, v, g, beta, safe_gate=self.safe_gate, state_indices=state_indices, **common)
+            # the layer has checked state_indices (or was told not to): the op does not read them again
+            return chunk_kda(q, k, v, g, beta, safe_gate=self.safe_gate, state_indices=state_indices,
+                             check_indices=False, **common)
         return fused_recurrent_kda(q, k, v, g, beta, **common)
 
     def _gate_inputs(self, x):
@@ -629,31 +677,65 @@ def _conv_windows(old, x, lengths, starts):
 @torch.no_grad()
 def _store_conv_state(conv_state, proj, lengths, starts, rows):
     """Shift each sequence's projected inputs (q, k, v ``[B, T, D]``) into its conv-state row:
-    row n (``rows[n]`` of a pool, skipped where -1) holds the last ``W-1`` inputs afterwards.
+    row n (``rows[n]`` of a pool, skipped where padded) holds the last ``W-1`` inputs afterwards.
     Per part, so no T-sized concatenation of the projections is made."""
-    old = conv_state if rows is None else conv_state[rows.clamp(min=0)]
+    old = conv_state if rows is None else _gather_conv_rows(conv_state, rows)
     splits = [p.shape[-1] for p in proj]
     new = torch.cat([_conv_windows(o, p, lengths, starts) for o, p in zip(torch.split(old, splits, 1), proj)], 1)
     if rows is None:
         conv_state.copy_(new)
     else:
-        live = rows >= 0
-        conv_state[rows[live]] = new[live]
+        _scatter_conv_rows(conv_state, new, rows)
+
+
+def _gather_conv_rows(pool, rows):
+    """Rows ``rows`` ``[N]`` (long) of a conv pool ``[P, C, M]`` as a new ``[N, C, M]`` tensor; a
+    padded or out-of-range entry reads a clamped row (its sequence's output is zero, and its row
+    is never written), so no index value has to be known on the host."""
+    if pool.shape[0] == 0:
+        return pool.new_zeros(rows.shape[0], *pool.shape[1:])  # no row to read: every entry is padded
+    return pool.index_select(0, rows.clamp(0, pool.shape[0] - 1))
+
+
+def _scatter_conv_rows(pool, new, rows) -> None:
+    """``new[n]`` into pool row ``rows[n]`` in place for the entries in ``[0, P)``; others write nothing.
+
+    One ``index_copy_`` of all N rows, so the write's size is the call's N, not the number of valid
+    entries (a device value). A padded entry writes the row and value that the first valid entry
+    writes (identical bytes, so the order of the duplicate writes does not matter), or row 0's own
+    value back when none is valid, as ``kdakit/ops/kda/state_pool.py`` does for the recurrent pool."""
+    if pool.shape[0] == 0 or rows.numel() == 0:
+        return  # nothing can be written
+    valid = (rows >= 0) & (rows < pool.shape[0])
+    first = torch.argmax(valid.to(torch.int32))  # first valid entry, 0 if none (argmax: first maximum)
+    any_valid = valid[first]
+    sink_row = torch.where(any_valid, rows[first], torch.zeros_like(rows[first]))
+    sink_value = torch.where(any_valid, new[first], pool[0])  # a new tensor: read before the write below
+    dest = torch.where(valid, rows, sink_row)
+    values = torch.where(valid[:, None, None], new, sink_value)
+    pool.index_copy_(0, dest, values)
 
 
 def _seq_starts(B, T, cu_seqlens, device):
-    """Each sequence's first flat token ``[N]`` (long)."""
+    """Each sequence's first flat token ``[N]`` (long); ``cu_seqlens`` is on ``device`` (checked)."""
     if cu_seqlens is None:
         return torch.arange(B, device=device, dtype=torch.long) * T
-    return cu_seqlens[:-1].to(device=device, dtype=torch.long)
+    return cu_seqlens[:-1].long()
 
 
-def _check_pool_rows(name, state_indices, P) -> None:
-    """Rows in ``[-1, P)`` before the conv pool is gathered (one host read of the indices; the
-    KDA op checks the rest, duplicates included, before any pool row is written)."""
-    bad = sorted({i for i in state_indices.tolist() if not -1 <= i < P})
+def _check_index_values(name, state_indices, P) -> None:
+    """Pool rows in ``[-1, P)`` and distinct across sequences (two sequences writing one row would
+    leave whichever state was written last), read to the host once: the one device->host copy of
+    the pool path, made before any pool row is read or written."""
+    host = state_indices.tolist()
+    bad = sorted({i for i in host if not -1 <= i < P})
     if bad:
         raise ValueError(f"{name} must hold pool rows in [-1, P={P}) (-1 = padded), got {bad}")
+    owner = {}
+    for n, r in enumerate(host):
+        if r >= 0 and owner.setdefault(r, n) != n:
+            raise ValueError(f"{name} rows must be distinct across sequences: row {r} is used by "
+                             f"sequences {owner[r]} and {n}")
 
 
 def _check_state_indices(name, state_indices, N) -> None:
@@ -665,14 +747,16 @@ def _check_state_indices(name, state_indices, N) -> None:
 
 
 def _seq_lengths(B, T, cu_seqlens, device):
-    """Per sequence length ``[N]`` (long)."""
+    """Per sequence length ``[N]`` (long), on the device: ``cu_seqlens`` is on ``device`` (checked)."""
     if cu_seqlens is None:
         return torch.full((B,), T, device=device, dtype=torch.long)
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    cu = cu_seqlens.long()
     return cu[1:] - cu[:-1]
 
 
-def _check_cu_seqlens(cu_seqlens, B, T, device) -> int:
+def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, device) -> int:
+    """N, from the offsets' values: read from ``cu_seqlens_cpu`` when given (``cu_seqlens`` is then
+    used on the device only), otherwise one host read of ``cu_seqlens``."""
     if cu_seqlens is None:
         return B
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -685,9 +769,26 @@ def _check_cu_seqlens(cu_seqlens, B, T, device) -> int:
         raise ValueError(f"cu_seqlens must be on hidden_states' device {device}, got {cu_seqlens.device}")
     if B != 1:
         raise ValueError(f"hidden_states must have batch size 1 with cu_seqlens (packed sequences), got B={B}")
-    cu = cu_seqlens.tolist()
+    name = "cu_seqlens"
+    if cu_seqlens_cpu is not None:
+        name = "cu_seqlens_cpu"
+        if not isinstance(cu_seqlens_cpu, torch.Tensor):
+            raise TypeError(f"cu_seqlens_cpu must be a torch.Tensor or None, got {type(cu_seqlens_cpu).__name__}")
+        if cu_seqlens_cpu.dtype not in INDEX_DTYPES:
+            raise TypeError(f"cu_seqlens_cpu must be int32 or int64, got {cu_seqlens_cpu.dtype}")
+        if cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens), "
+                             f"got {cu_seqlens_cpu.device}")
+        if tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape):
+            raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {list(cu_seqlens.shape)}, "
+                             f"got {list(cu_seqlens_cpu.shape)}")
+        cu = cu_seqlens_cpu.tolist()  # a host tensor: no synchronization
+    else:
+        if is_capturing(device):
+            check_capturable_offsets("KimiDeltaAttention", cu_seqlens, cu_seqlens_cpu)  # raises: no device read here
+        cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {cu}")
+        raise ValueError(f"{name} must be non-decreasing from 0 to T={T}, got {cu}")
     return len(cu) - 1
 
 

@@ -43,7 +43,7 @@ def _padded_conv(x, weight, bias, activation, cu_seqlens, context):
         # columns, then its tokens. Output o of the valid conv reads slots o .. o+W-1, so token t
         # of sequence n (slot t + (n+1)(W-1)) is output t + n(W-1).
         N = cu_seqlens.numel() - 1
-        cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+        cu = cu_seqlens.long()  # on x's device (checked): the indices below are built there, nothing is read
         seq_id = torch.repeat_interleave(torch.arange(N, device=x.device), cu[1:] - cu[:-1], output_size=T)
         out_idx = torch.arange(T, device=x.device) + seq_id * (W - 1)
         z = x.new_zeros(T + N * (W - 1), C)
@@ -100,7 +100,7 @@ def short_conv(
         weight: ``[C, 1, W]`` (``nn.Conv1d``'s depthwise layout) or ``[C, W]``.
         bias: ``[C]`` or None.
         activation: ``"silu"`` (or its alias ``"swish"``) or None.
-        cu_seqlens: int ``[N + 1]`` offsets of packed sequences (validated by the caller).
+        cu_seqlens: int ``[N + 1]`` offsets of packed sequences on x's device (values validated by the caller).
         context: ``[N, C, W-1]`` left context per sequence (N = B without ``cu_seqlens``),
             oldest first; not differentiated. None means zeros.
     """
@@ -117,6 +117,9 @@ def short_conv(
     N = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     if cu_seqlens is not None and x.shape[0] != 1:
         raise ValueError(f"x must have batch size 1 with cu_seqlens, got B={x.shape[0]}")
+    if cu_seqlens is not None and cu_seqlens.device != x.device:
+        # the per-token indices are built from the offsets on x's device: no host copy, no read
+        raise ValueError(f"cu_seqlens must be on x's device {x.device}, got {cu_seqlens.device}")
     if context is not None and tuple(context.shape) != (N, C, W - 1):
         raise ValueError(f"context must have shape [N, C, W-1] = [{N}, {C}, {W - 1}], got {list(context.shape)}")
     act = None if activation is None else "silu"

@@ -1,13 +1,16 @@
 """KimiDeltaAttention (kdakit.nn): the layer against an explicit composition of its stages, packed
-sequences against separate ones, prefill + decode steps against one forward, and input errors."""
+sequences against separate ones, prefill + decode steps against one forward, input errors, and
+the pool path without host synchronization (a taint probe: check_indices=False, cu_seqlens_cpu)."""
 
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import resolve_name
 
-from kdakit.nn import KimiDeltaAttention, gated_norm
+from kdakit.nn import KimiDeltaAttention, gated_norm, kda_layer
+from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.ops.kda.naive import naive_recurrent_kda
 from kdakit.testing import assert_close
 
@@ -355,3 +358,245 @@ def test_gated_rmsnorm_blocks_and_gradients(monkeypatch):
     for name, a, b in zip(["x", "gate", "weight"], ref, got):
         assert float(a.abs().max()) > 0
         assert_close(f"d{name}", a, b, 1e-12)
+
+
+# --- the pool path without host synchronization (check_indices=False, cu_seqlens_cpu) -----------
+# The taint probe of tests/ops/kda/test_host_sync.py (copied: test modules do not import each other):
+# pools, indices, offsets and hidden states stand for device tensors; every tensor computed from one
+# is one too, and bringing any of their values to the host raises.
+
+_SCALAR_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy", "cpu",
+                 "__array__"}
+
+
+class HostReadError(AssertionError):
+    pass
+
+
+# Ops whose output size is a device value: on CUDA torch reads it back (a synchronization) and a
+# graph capture refuses them. The probe below refuses them too, so a boolean-mask selection or write
+# (x[mask], x[mask] = y) is caught, not only an explicit read.
+_DATA_DEPENDENT_SIZE = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}
+
+
+def _device_mask(index) -> bool:
+    """An index holding a boolean mask that is a device value (a host-made mask has a known size)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, DeviceValues) and i.dtype in (torch.bool, torch.uint8) for i in items)
+
+
+class DeviceValues(torch.Tensor):
+    """Values that live on the device: a scalar read, ``numpy`` or a ``.cpu()`` / ``.to("cpu")`` of
+    one (or of anything computed from one) raises, as does an op whose output size it decides
+    (indexing with a device mask, ``nonzero`` of one, ``repeat_interleave`` of device repeats
+    without ``output_size``); device-side work of fixed shape on them is allowed."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = resolve_name(func) or repr(func)
+        attr = name.removeprefix("torch.Tensor.").removeprefix("torch.")
+        to_host = attr == "to" and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values()))
+        if attr in _SCALAR_READS or to_host:
+            raise HostReadError(f"a device value was brought to the host: {name}")
+        sized = attr in _DATA_DEPENDENT_SIZE and isinstance(args[0], DeviceValues)
+        sized |= attr in ("__getitem__", "__setitem__", "index_put_", "index_put") and len(args) > 1 \
+            and _device_mask(args[1])
+        sized |= attr == "repeat_interleave" and kwargs.get("output_size") is None \
+            and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats", args[0]), DeviceValues)
+        if sized:
+            raise HostReadError(f"an op whose output size is a device value: {name}")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _dev(x):
+    return x.clone().as_subclass(DeviceValues)
+
+
+def _host(x):
+    return x.as_subclass(torch.Tensor)
+
+
+def test_probe_catches_host_reads_and_device_mask_writes():
+    """The probe refuses what the pool path must not do: read an index (the old range check's
+    tolist) and write the conv pool through a boolean mask of the indices (the old write); the
+    fixed-shape gather / index_copy_ of kda_layer pass."""
+    rows = _dev(torch.tensor([2, -1, 0]))
+    pool = _dev(torch.arange(24.0).view(4, 3, 2))
+    new = _dev(torch.ones(3, 3, 2))
+    for old_way in (lambda: rows.tolist(), lambda: pool.__setitem__(rows[rows >= 0], new[rows >= 0])):
+        with pytest.raises(HostReadError):
+            old_way()
+    want = pool.as_subclass(torch.Tensor).clone()
+    want[[2, 0]] = 1.0
+    kda_layer._scatter_conv_rows(pool, new, rows.long())
+    assert torch.equal(_host(pool), want)
+    assert torch.equal(_host(kda_layer._gather_conv_rows(pool, rows.long())), want[[2, 0, 0]])
+    # none valid (padded, or outside the pool): row 0 gets its own bytes back, nothing changes
+    kda_layer._scatter_conv_rows(pool, new, torch.tensor([-1, 4, -1]))
+    assert torch.equal(_host(pool), want)
+
+
+POOL_ROWS = 7
+PREFILL_SEQLENS = (5, 3, 0, 4)
+PREFILL_ROWS = (4, -1, 0, 2)          # a padded 3-token sequence; an empty one owns row 0
+UNUSED_ROWS = [1, 3, 5, 6]
+
+
+def _pool_case(layer, seed):
+    HV, W1 = layer.num_v_heads, layer.conv_size - 1
+    pool = rand(POOL_ROWS, HV, HEAD_DIM, HEAD_DIM, seed=seed, scale=0.3).float()   # value-first, stale rows
+    conv = rand(POOL_ROWS, layer.conv_channels, W1, seed=seed + 1).to(layer.q_proj.weight.dtype)
+    return pool, conv
+
+
+def _pool_prefill(layer, x, pool0, conv0, *, check_indices, guard, host_offsets=True):
+    """One prefill through the pools; returns plain (out, pool, conv)."""
+    cu = torch.tensor([0, *torch.tensor(PREFILL_SEQLENS).cumsum(0).tolist()], dtype=torch.int32)
+    extra = dict(cu_seqlens_cpu=cu.clone()) if host_offsets else {}
+    pool, conv, idx = pool0.clone(), conv0.clone(), torch.tensor(PREFILL_ROWS, dtype=torch.int32)
+    if guard:
+        x, pool, conv, idx, cu = _dev(x), _dev(pool), _dev(conv), _dev(idx), _dev(cu)
+    with torch.no_grad():
+        out, _, _ = layer(x, cu_seqlens=cu, initial_state=pool, state_indices=idx, state_v_first=True,
+                          conv_state=conv, check_indices=check_indices, **extra)
+    assert isinstance(out, DeviceValues) == guard  # the probe followed the values through the whole layer
+    return _host(out), _host(pool), _host(conv)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_pool_prefill_without_index_check_reads_nothing(monkeypatch, backend):
+    """forward(state_indices=, conv_state=, cu_seqlens_cpu=, check_indices=False): hidden states,
+    both pools, the indices and cu_seqlens are device values and none is read on the host; the
+    output and both pools are the bits of the checked call (with and without cu_seqlens_cpu). A
+    padded and an empty sequence; rows not in state_indices untouched in both pools."""
+    if backend == "triton" and not triton_interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU tier)")
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    layer = make_layer(101, dtype=dtype, **CONFIGS["gva_neg_eig_bias_conv3"])
+    x = rand(1, sum(PREFILL_SEQLENS), HIDDEN, seed=102).to(dtype)
+    pool0, conv0 = _pool_case(layer, 103)
+    with pytest.raises(HostReadError, match="tolist"):  # the probe sees the index check's read
+        _pool_prefill(layer, x, pool0, conv0, check_indices=True, guard=True)
+    ref = _pool_prefill(layer, x, pool0, conv0, check_indices=True, guard=False, host_offsets=False)
+    for name, a, b in zip(("out", "pool", "conv pool"), ref,
+                          _pool_prefill(layer, x, pool0, conv0, check_indices=True, guard=False)):
+        assert torch.equal(a, b), f"{name}: cu_seqlens_cpu changed the bits"
+    got = _pool_prefill(layer, x, pool0, conv0, check_indices=False, guard=True)
+    for name, a, b in zip(("out", "pool", "conv pool"), ref, got):
+        assert torch.equal(a, b), f"{name}: the unchecked call differs from the checked one"
+
+    out, pool, conv = got
+    assert torch.equal(pool[UNUSED_ROWS], pool0[UNUSED_ROWS]) and torch.equal(conv[UNUSED_ROWS], conv0[UNUSED_ROWS])
+    assert torch.equal(pool[0], pool0[0]) and torch.equal(conv[0], conv0[0]), "an empty sequence keeps its rows"
+    assert torch.equal(out[:, 5:8], torch.zeros_like(out[:, 5:8])), "a padded sequence gives zeros"
+    proj = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1)[0].detach()
+    W1 = layer.conv_size - 1
+    for (bos, eos), r in (((0, 5), 4), ((8, 12), 2)):
+        assert not torch.equal(pool[r], pool0[r])
+        assert torch.equal(conv[r], proj[bos:eos].T[:, -W1:].to(conv.dtype)), f"conv pool row {r}"
+
+
+def _step(layer, x, pool0, conv0, rows, *, check_indices, guard):
+    pool, conv, idx = pool0.clone(), conv0.clone(), torch.tensor(rows, dtype=torch.int32)
+    if guard:
+        x, pool, conv, idx = _dev(x), _dev(pool), _dev(conv), _dev(idx)
+    out = layer.step(x, conv, pool, idx, check_indices=check_indices)
+    assert isinstance(out, DeviceValues) == guard
+    return _host(out), _host(pool), _host(conv)
+
+
+def test_step_without_index_check_reads_nothing(monkeypatch):
+    """step(check_indices=False) on kda_decode's kernel (the interpreter here) reads no value of the
+    hidden states, pools or indices on the host; same bits as the checked step; padded rows
+    untouched. The PyTorch backend's kda_decode is a host loop (it reads the indices), so not it."""
+    if not triton_interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU tier)")
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    layer = make_layer(111, dtype=torch.float32, **CONFIGS["gva_neg_eig_bias_conv3"])
+    x = rand(3, 2, HIDDEN, seed=112).float()
+    pool0, conv0 = _pool_case(layer, 113)
+    rows = (4, -1, 1)
+    with pytest.raises(HostReadError, match="tolist"):
+        _step(layer, x, pool0, conv0, rows, check_indices=True, guard=True)
+    ref = _step(layer, x, pool0, conv0, rows, check_indices=True, guard=False)
+    got = _step(layer, x, pool0, conv0, rows, check_indices=False, guard=True)
+    for name, a, b in zip(("out", "pool", "conv pool"), ref, got):
+        assert torch.equal(a, b), f"{name}: the unchecked step differs from the checked one"
+    out, pool, conv = got
+    untouched = [0, 2, 3, 5, 6]
+    assert torch.equal(pool[untouched], pool0[untouched]) and torch.equal(conv[untouched], conv0[untouched])
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and out[0].abs().sum() > 0
+    proj = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1).detach()
+    for n, r in ((0, 4), (2, 1)):
+        assert torch.equal(conv[r], torch.cat([conv0[r], proj[n].T], 1)[:, -(layer.conv_size - 1):])
+        assert not torch.equal(pool[r], pool0[r])
+
+    # unchecked, a row outside the pool is padded (as kda_decode): zero output, nothing written
+    out_bad, pool_bad, conv_bad = _step(layer, x, pool0, conv0, (4, POOL_ROWS + 2, 1), check_indices=False,
+                                        guard=True)
+    assert torch.equal(out_bad[1], torch.zeros_like(out_bad[1]))
+    assert torch.equal(pool_bad, pool) and torch.equal(conv_bad, conv)
+
+
+def test_index_check_skipped_while_capturing(monkeypatch):
+    """During a CUDA-graph capture (stood for here by the layer's capture test answering True)
+    the default check_indices=True reads nothing, as check_indices=False."""
+    monkeypatch.setenv("KDAKIT_BACKEND", "torch")
+    monkeypatch.setattr(kda_layer, "is_capturing", lambda device: True)
+    layer = make_layer(121, **CONFIGS["mha"])
+    x = rand(1, sum(PREFILL_SEQLENS), HIDDEN, seed=122)
+    pool0, conv0 = _pool_case(layer, 123)
+    got = _pool_prefill(layer, x, pool0, conv0, check_indices=True, guard=True)
+    monkeypatch.setattr(kda_layer, "is_capturing", lambda device: False)
+    ref = _pool_prefill(layer, x, pool0, conv0, check_indices=True, guard=False)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_checked_pool_indices_raise_before_any_row_is_touched():
+    """check_indices=True (the default): out-of-range and duplicate rows raise ValueError naming
+    state_indices, in forward and step, leaving both pools as they were."""
+    layer = make_layer(131, **CONFIGS["mha"])
+    pool0, conv0 = _pool_case(layer, 132)
+    pool, conv = pool0.clone(), conv0.clone()
+    x_pre = rand(1, 6, HIDDEN, seed=133)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    x_step = rand(2, 1, HIDDEN, seed=134)
+    cases = [
+        ((3, POOL_ROWS), r"state_indices must hold pool rows in \[-1, P=7\) \(-1 = padded\), got \[7\]"),
+        ((-2, 0), r"state_indices must hold pool rows in \[-1, P=7\)"),
+        ((5, 5), "state_indices rows must be distinct across sequences: row 5 is used by sequences 0 and 1"),
+    ]
+    for rows, match in cases:
+        idx = torch.tensor(rows, dtype=torch.int32)
+        with pytest.raises(ValueError, match=match):
+            layer(x_pre, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), initial_state=pool, state_indices=idx,
+                  state_v_first=True, conv_state=conv)
+        with pytest.raises(ValueError, match=match):
+            layer.step(x_step, conv, pool, idx)
+    assert torch.equal(pool, pool0) and torch.equal(conv, conv0)
+    with pytest.raises(TypeError, match="check_indices"):
+        layer.step(x_step, conv, pool, torch.tensor([0, 1], dtype=torch.int32), check_indices=1)
+    with pytest.raises(TypeError, match="check_indices"):
+        layer(x_pre, check_indices=None)
+
+
+def test_bad_cu_seqlens_cpu_raises():
+    layer = make_layer(141, **CONFIGS["mha"])
+    x = rand(1, 6, HIDDEN, seed=142)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    cases = [
+        (dict(cu_seqlens_cpu=cu), ValueError, "cu_seqlens_cpu needs cu_seqlens"),
+        (dict(cu_seqlens=cu, cu_seqlens_cpu=[0, 2, 6]), TypeError, "cu_seqlens_cpu"),
+        (dict(cu_seqlens=cu, cu_seqlens_cpu=cu.float()), TypeError, "cu_seqlens_cpu"),
+        (dict(cu_seqlens=cu, cu_seqlens_cpu=cu[:2]), ValueError, "cu_seqlens_cpu must have cu_seqlens' shape"),
+        (dict(cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 4, 2], dtype=torch.int32)), ValueError,
+         "cu_seqlens_cpu must be non-decreasing"),
+    ]
+    for kwargs, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            layer(x, **kwargs)
+    # the host copy gives the offsets' bits: the same output as without it
+    with torch.no_grad():
+        assert torch.equal(layer(x, cu_seqlens=cu)[0], layer(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())[0])

@@ -1,8 +1,8 @@
 """GPU tier of ``kdakit.nn.KimiDeltaAttention`` (run on the H200 with KDAKIT_TEST_TIER=gpu):
 the bf16 layer on CUDA (Triton kernels) against the same weights in float64 on CPU (PyTorch
 path) forward and backward, attention_mask padding, prefill + decode through the cache and the
-pool path against one call, FLA's layer when fla imports, and the layer's peak memory at
-1 x 128K against its predicted floor.
+pool path against one call, the pool path (prefill + step) in one plain CUDA graph against eager,
+FLA's layer when fla imports, and the layer's peak memory at 1 x 128K against its predicted floor.
 
 Memory floor (bf16, FLA's KimiDeltaAttention defaults: hidden 2048, 16 heads of 128, expand_v 1,
 conv 4, softplus gate). The step: the caller holds x (requires grad) and dy, runs
@@ -211,3 +211,79 @@ def test_layer_peak_memory_at_128k_within_floor():
           + f"; op peak at {floor['op peak stage']}")
     assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
     assert peak <= 1.10 * floor["floor"] + 64 * 2 ** 20, (peak, floor)
+
+
+@pytest.mark.parametrize("check_indices", [True, False])
+def test_pool_prefill_and_step_in_one_plain_cuda_graph(check_indices):
+    """The layer's pool path the way engines capture it: one plain ``torch.cuda.graph`` holds a
+    packed prefill through both pools (forward with state_indices, conv_state and cu_seqlens_cpu;
+    a padded and an empty sequence) and one decode step (``step``) continuing two of its rows.
+    Warm-up on a side stream; the index check (default check_indices=True) runs there and is
+    skipped during capture by itself. Replays with new hidden states give the eager call's bits:
+    both outputs and both whole pools."""
+    _, dev = make_pair(12, **CONFIGS["gva_safe_gate"])
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    seqlens, P = [100, 0, 37, 64], 8
+    cu_cpu = torch.tensor([0] + torch.tensor(seqlens).cumsum(0).tolist(), dtype=torch.int32)
+    cu = cu_cpu.to(DEV)
+    prefill_rows = torch.tensor([3, 5, -1, 0], dtype=torch.int32, device=DEV)   # row 5: an empty sequence's
+    decode_rows = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEV)       # continues rows 3 and 0
+    pool0 = 0.1 * torch.randn(P, dev.num_v_heads, dev.head_v_dim, dev.head_dim, generator=gen, device=DEV)
+    conv0 = torch.randn(P, dev.conv_channels, dev.conv_size - 1, generator=gen, device=DEV).to(torch.bfloat16)
+    pool, conv = pool0.clone(), conv0.clone()
+    x_pre = torch.empty(1, sum(seqlens), dev.hidden_size, device=DEV, dtype=torch.bfloat16)
+    x_dec = torch.empty(3, 1, dev.hidden_size, device=DEV, dtype=torch.bfloat16)
+
+    def refill():
+        for t in (x_pre, x_dec):
+            t.copy_(torch.randn(t.shape, generator=gen, device=DEV).to(t.dtype))
+
+    def reset():
+        pool.copy_(pool0)
+        conv.copy_(conv0)
+
+    def serve():
+        with torch.no_grad():
+            o_pre = dev(x_pre, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, initial_state=pool, state_indices=prefill_rows,
+                        state_v_first=True, conv_state=conv, check_indices=check_indices)[0]
+            o_dec = dev.step(x_dec, conv, pool, decode_rows, check_indices=check_indices)
+        return o_pre, o_dec
+
+    refill()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up: compilation, autotuning, the eager index checks
+        for _ in range(2):
+            reset()
+            serve()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):   # plain: its own capture stream, nothing prepared on it
+        static_out = serve()
+
+    for round_ in range(2):
+        refill()
+        reset()
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [o.clone() for o in static_out]
+        replayed_pools = pool.clone(), conv.clone()
+
+        reset()
+        eager = serve()
+        torch.cuda.synchronize()
+        for name, a, b in zip(("prefill", "step"), eager, replayed):
+            assert torch.equal(a, b), f"replay {round_}: the {name} output differs from the eager call"
+        assert torch.equal(pool, replayed_pools[0]), f"replay {round_}: the recurrent pool differs from eager"
+        assert torch.equal(conv, replayed_pools[1]), f"replay {round_}: the conv pool differs from eager"
+
+        # real work: rows 3 and 0 written; the padded sequences' outputs zero; every other row untouched
+        for r in (0, 3):
+            assert not torch.equal(pool[r], pool0[r]) and not torch.equal(conv[r], conv0[r]), r
+        untouched = [r for r in range(P) if r not in (0, 3)]   # row 5: an empty sequence keeps its rows
+        assert torch.equal(pool[untouched], pool0[untouched]) and torch.equal(conv[untouched], conv0[untouched])
+        assert torch.count_nonzero(eager[0][:, 100:137]) == 0 and eager[0][:, :100].abs().sum() > 0
+        assert eager[0][:, 137:].abs().sum() > 0
+        assert torch.count_nonzero(eager[1][1]) == 0 and eager[1][0].abs().sum() > 0
