@@ -8,7 +8,7 @@ x ``[1, T, hidden]`` requiring grad and dy held by the caller; ``warmup`` forwar
 steps, then one measured step for memory (``max_memory_allocated`` minus the bytes allocated
 before the step: weights, their grads, x, dy; ``max_memory_reserved`` as it stands) and
 ``--runs`` CUDA-event timed steps (median) of forward alone (no grad) and forward+backward.
-kdakit's figures come with the floor of tests/gpu/test_nn_layer_gpu.py (the op's planned peak
+kdakit's figures come with the floor of tests/gpu/nn/test_nn_layer_gpu.py (the op's planned peak
 less O, the pre-conv q/k/v, the f_proj bottleneck, y and dx).
 
 Usage: python benchmarks/bench_layer.py --out results/layer.json [--tokens 131072]
@@ -31,7 +31,7 @@ GIB = 2.0 ** 30
 
 
 def layer_floor(layer, T) -> dict:
-    """The bytes that must be live at kdakit's layer peak (tests/gpu/test_nn_layer_gpu.py)."""
+    """The bytes that must be live at kdakit's layer peak (tests/gpu/nn/test_nn_layer_gpu.py)."""
     from kdakit.memory.model import allocated_bytes, kdakit_model, protocol_spec
 
     spec = protocol_spec(1, T, layer.num_v_heads, qk_heads=layer.num_heads, head_dim=layer.head_dim,

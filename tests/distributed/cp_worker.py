@@ -1,5 +1,5 @@
-"""One rank of the context-parallel chunk_kda tests (run as a script by tests/test_cp.py and
-tests/gpu/test_cp_gpu.py; not collected by pytest).
+"""One rank of the context-parallel chunk_kda tests (run as a script by tests/distributed/test_cp.py and
+tests/gpu/distributed/test_cp_gpu.py; not collected by pytest).
 
 Every rank builds the same global inputs from a seed, runs the one-process chunk_kda on all of
 them (the reference), then its CP share through ``chunk_kda(..., cp_context=ctx)``, and checks

@@ -2,7 +2,7 @@
 ``chunk_kda(..., cp_context=ctx)`` on 2 and 4 gloo ranks (separate processes, CPU tensors through
 the PyTorch path, float64) against the one-process op: outputs, final states and every gradient.
 
-The rank processes run tests/cp_worker.py; a hang fails after a timeout instead of blocking.
+The rank processes run tests/distributed/cp_worker.py; a hang fails after a timeout instead of blocking.
 """
 
 import importlib.util

@@ -253,7 +253,7 @@ def _fla_pythonpath():
 
     extra = os.environ.get("KDAKIT_TEST_FLA_PATH", "")
     if extra or (importlib.util.find_spec("fla") and importlib.util.find_spec("einops")):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
         return os.pathsep.join(p for p in (root, extra, os.environ.get("PYTHONPATH", "")) if p)
     return None
 

@@ -4,7 +4,7 @@ Two ranks share the one GPU over gloo (which carries CUDA tensors; NCCL refuses 
 device): float32 CUDA tensors through the Triton kernels, T = 512 packed tokens, H = 2, HV = 4,
 K = V = 64, both layouts, sequences inside one interval and across two and four (zigzag), against
 the one-process chunk_kda on the same GPU: outputs, final states and every gradient. The ranks
-run tests/cp_worker.py as separate processes; a hang fails after a timeout.
+run tests/distributed/cp_worker.py as separate processes; a hang fails after a timeout.
 """
 
 import importlib.util
@@ -25,7 +25,7 @@ TOL = 1e-2
 
 
 def _worker():
-    spec = importlib.util.spec_from_file_location("cp_worker", Path(__file__).parents[1] / "cp_worker.py")
+    spec = importlib.util.spec_from_file_location("cp_worker", Path(__file__).parents[2] / "distributed" / "cp_worker.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -378,7 +378,7 @@ def test_windowed_kernels_compile_for_sm90():
 
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr.lower():

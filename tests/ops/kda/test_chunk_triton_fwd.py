@@ -519,7 +519,7 @@ def test_kernel_compiles_for_sm90():
 
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=300)

@@ -11,7 +11,7 @@ example hypothesis prints on a failure (the whole ``Case``, seed included) repro
 Backends: the default (the PyTorch path on CPU tensors) for most examples; a few examples run
 ``fused_recurrent_kda`` and ``kda_decode`` on their Triton kernels under the interpreter
 (``KDAKIT_BACKEND=triton``; the CPU tier sets ``TRITON_INTERPRET=1`` in conftest.py). The chunk
-Triton kernels are not run here (tests/test_chunk_triton*.py cover them).
+Triton kernels are not run here (tests/ops/kda/test_chunk_triton*.py cover them).
 """
 
 from __future__ import annotations

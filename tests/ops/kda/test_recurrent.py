@@ -225,7 +225,7 @@ def _fwd(t, kw, **extra):
 
 
 @pytest.mark.parametrize("extra, exc, pattern", [
-    # the serving arguments (tests/test_serving_args.py covers them): 4 tokens cannot fill FLA's 1-row final state
+    # the serving arguments (tests/ops/kda/test_serving_args.py covers them): 4 tokens cannot fill FLA's 1-row final state
     (dict(ssm_state_indices=torch.zeros(1, dtype=torch.int32)), ValueError, "exactly N=1 tokens"),
     (dict(num_accepted_tokens=torch.ones(1, dtype=torch.int32)), ValueError, "needs ssm_state_indices"),
     (dict(chunk_size=64), TypeError, "unexpected keyword"),

@@ -2,7 +2,7 @@
 inplace_final_state, out=), on the Triton interpreter and the PyTorch path, against the float64
 definition (naive_recurrent_kda). FLA's own kernel cannot run under the interpreter (it loops
 over a runtime token count), so the comparison with FLA itself is the GPU test
-(tests/gpu/test_recurrent_gpu.py::test_serving_args_match_fla)."""
+(tests/gpu/ops/kda/test_recurrent_gpu.py::test_serving_args_match_fla)."""
 
 import pytest
 import torch

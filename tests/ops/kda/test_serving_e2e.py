@@ -21,7 +21,7 @@ finishes: all its accepted outputs and its final state against ``naive_recurrent
 over the whole accepted sequence (cached prefix included) from a zero state.
 
 The CPU tier runs the recurrent/decode ops on the PyTorch path and on the Triton kernels under
-the interpreter; tests/gpu/test_serving_e2e_gpu.py runs the same loop at real shapes.
+the interpreter; tests/gpu/ops/kda/test_serving_e2e_gpu.py runs the same loop at real shapes.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def test_cuda_graph_forward_and_backward_capture_and_replay():
 
 def test_backward_capture_without_warm_call_raises():
     """The backward needs scratch: capturing it with a workspace no eager call sized raises. (The
-    forward needs none and captures without a warm call: tests/gpu/test_graph_capture_gpu.py.)"""
+    forward needs none and captures without a warm call: tests/gpu/ops/kda/test_graph_capture_gpu.py.)"""
     t, kw = _inputs(9, B=1, T=4, H=2, K=64, V=64, gate="safe", initial_state="vk")
     do, dht = _cotangents(10, t, kw, 1)
     pos, named = _bwd_args(t, kw, do, dht)
