@@ -44,8 +44,10 @@
 #   profile   per-kernel CUDA time of kdakit's forward and backward (profile_chunk.py, PROFILE_SHAPES)
 #   chunk64   the experimental 64-token pipeline at 1x8192:96 (dev_chunk_gpu.py; CHUNK64_ARGS, default
 #             --skip-accuracy; pass "--gates safe" to add its accuracy check, ~40 s)
-#   tests     the GPU test tier (tests marked gpu; GPU_TESTS, GPU_TEST_FLAGS: default -x; e.g. "--timeout=60"
-#             with pytest-timeout, which the device has), one line per test so a cut run shows how far it got
+#   tests     the GPU test tier (tests marked gpu; GPU_TESTS; GPU_TEST_FLAGS, default "--timeout=300": per
+#             test, with pytest-timeout, which the device has; a test's first Triton compile of new variants
+#             counts, and at 60 s the 2026-12-01 run lost six tests to it or to failures it could not tell
+#             apart), one line per test so a cut run shows how far it got
 #   recurrent decode and recurrent fwd+bwd benchmark (bench_recurrent.py)
 #   tune      launch-config sweep of the windowed backward (tune_windowed.py); tunecompile only
 #             compiles its variants (parallel processes)
@@ -229,7 +231,7 @@ stage_chunk64() {
 
 stage_tests() {
     # shellcheck disable=SC2086
-    KDAKIT_TEST_TIER=gpu timeout -k 5 "$1" python3 -m pytest -v -m gpu -rs ${GPU_TEST_FLAGS:--x} ${GPU_TESTS:-tests/gpu} 2>&1 \
+    KDAKIT_TEST_TIER=gpu timeout -k 5 "$1" python3 -m pytest -v -m gpu -rs ${GPU_TEST_FLAGS:---timeout=300} ${GPU_TESTS:-tests/gpu} 2>&1 \
         | tee "$OUT/gpu_tests.log"
     return "${PIPESTATUS[0]}"
 }
