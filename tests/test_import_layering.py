@@ -52,6 +52,7 @@ KNOWN_FUNCTION_LEVEL: set[tuple[str, str]] = {
     ("kdakit.cli", "kdakit.demo"),
     ("kdakit.cli", "kdakit.memory.mem_cli"),
     ("kdakit.cli", "kdakit.memory.serving_cli"),
+    ("kdakit.memory.mem_cli", "kdakit.memory.allocator"),
     ("kdakit.memory.mem_cli", "kdakit.memory.measure"),
     ("kdakit.memory.mem_cli", "kdakit.memory.model"),
     ("kdakit.memory.mem_cli", "kdakit.memory.plot"),

@@ -85,9 +85,15 @@ def _cmd_model(args) -> int:
         for r in load_records(args.measured):
             if r.get("status") == "ok" and r.get("peak_alloc_gib") is not None:
                 measured[(r["backend"], r["mbs"], r["seq"], r["heads"])] = float(r["peak_alloc_gib"])
+    if args.reserved:
+        _check_reserved_models(models)
     if args.json:
         for m in models:
             rec = m.to_json()
+            if args.reserved and m.backend == "kdakit":
+                r = _reserved(m)
+                rec["reserved_after_short_step_gib"] = r.peak_reserved_bytes / 2 ** 30
+                rec["reserved_clean_gib"] = r.peak_reserved_clean_bytes / 2 ** 30
             got = measured.get((m.backend, m.spec.mbs, m.spec.seq, m.spec.heads))
             if got is not None:
                 rec["measured_peak_alloc_gib"] = got
@@ -113,12 +119,47 @@ def _cmd_model(args) -> int:
         row += [f"{m.overhead_gib:.3f}"] + [f"{gg.get(g, 0.0):.3f}" for g in groups]
         print("| " + " | ".join(row) + " |")
     print()
+    if args.reserved:
+        _print_reserved(models)
     for m in models:
         print(f"{m.backend} {m.spec.label}: peak during {m.peak_stage}")
         if args.tensors:
             for b in sorted(m.blocks, key=lambda b: (-b.nbytes, b.name)):
                 print(f"    {b.name:<24} {b.group:<28} {b.nbytes / 2 ** 30:10.4f} GiB")
     return 0
+
+
+def _check_reserved_models(models) -> None:
+    """``--reserved`` replays the measure protocol's configuration only (kdakit.memory.allocator)."""
+    from kdakit.memory.model import protocol_spec
+
+    for m in models:
+        s = m.spec
+        if m.backend == "kdakit" and s != protocol_spec(s.mbs, s.seq, s.heads):
+            raise CommandError("--reserved replays the measure protocol's own call (bf16, D = 128, HV = H, safe "
+                               "gate, l2norm, beta sigmoid, packed sequences); drop the other model options")
+
+
+def _reserved(m):
+    from kdakit.memory.allocator import predict_protocol_reserved
+
+    return predict_protocol_reserved(m.spec.mbs, m.spec.seq, m.spec.heads)
+
+
+def _print_reserved(models) -> None:
+    print("Replayed reserved memory (the caching allocator over the measure protocol, kdakit.memory.allocator), GiB:\n")
+    print("| backend | shape | floor | peak allocated | reserved after a 1K-token step | reserved after empty_cache |")
+    print("|---|---|---:|---:|---:|---:|")
+    for m in models:
+        if m.backend != "kdakit":
+            continue
+        r = _reserved(m)
+        f = r.floor_bytes
+        print(f"| kdakit | {m.spec.mbs} x {m.spec.seq} : {m.spec.heads} | {f / 2 ** 30:.3f} "
+              f"| {r.peak_allocated_bytes / 2 ** 30:.3f} | {r.peak_reserved_bytes / 2 ** 30:.3f} "
+              f"({r.peak_reserved_bytes / f:.3f}x) | {r.peak_reserved_clean_bytes / 2 ** 30:.3f} "
+              f"({r.peak_reserved_clean_bytes / f:.3f}x) |")
+    print()
 
 
 # ---------------------------------------------------------------------------------------
@@ -239,6 +280,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="one JSON object per backend x shape")
     d.add_argument("--tensors", action="store_true", help="also list every tensor live at the peak")
     d.add_argument("--measured", help="JSON lines from `kdakit mem measure --json` to compare against")
+    d.add_argument("--reserved", action="store_true",
+                   help="also kdakit's reserved peak, replaying the caching allocator over the measure protocol "
+                        "(its own call only; a few seconds a shape)")
     _add_model_options(d)
     d.set_defaults(func=_run(_cmd_model))
 

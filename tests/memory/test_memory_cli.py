@@ -307,3 +307,19 @@ def test_plot_without_matplotlib_says_how_to_install_it(capsys, monkeypatch, tmp
     _one_line_error(err, "needs matplotlib", "pip install -e '.[plot]'")
     assert "kdakit[plot]" not in err  # kdakit is not on PyPI
     assert not list(tmp_path.iterdir())
+
+
+def test_model_reserved_replays_the_protocol(capsys):
+    rc, out, err = _run(capsys, "model", "--backends", "kdakit,fla", "--shapes", "1x8192:96", "--reserved")
+    assert rc == 0, err
+    table = out.split("Replayed reserved memory")[1]
+    row = next(ln for ln in table.splitlines() if ln.startswith("| kdakit | 1 x 8192 : 96 | 1.878 | 2.034 |"))
+    # the H200's measured reserved peaks (benchmarks/results/chunk_h200.json), replayed
+    assert "| 2.289 (1.219x) | 2.082 (1.109x) |" in row
+    rc, out, err = _run(capsys, "model", "--backends", "kdakit", "--shapes", "1x8192:96", "--reserved", "--json")
+    rec = json.loads(out.splitlines()[0])
+    assert rec["reserved_after_short_step_gib"] == pytest.approx(2.2890625)
+    rc, out, err = _run(capsys, "model", "--backends", "kdakit", "--shapes", "1x8192:96", "--reserved",
+                        "--gate", "softplus")
+    assert rc != 0
+    _one_line_error(err, "--reserved")
