@@ -24,20 +24,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dev_chunk_gpu import kernel_times, timed  # noqa: E402
 from profile_chunk import protocol_inputs  # noqa: E402
+from profile_chunk import step as protocol_step  # noqa: E402
 
 
 def step_fn(mbs, seq, heads, cadence):
-    from kdakit import chunk_kda
-
     x, A_log, dt_bias, cu, do = protocol_inputs(mbs, seq, heads)
 
     def step():
         for t in (*x.values(), A_log, dt_bias):
             t.grad = None  # as the docs/spec.md §3 protocol: no gradient accumulation kernels in the timing
-        o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
-                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                         safe_gate=True, lower_bound=-5.0, checkpoint_every_n_tokens=cadence)
-        o.backward(do)
+        protocol_step(x, A_log, dt_bias, cu, do, checkpoint_every_n_tokens=cadence)
     return step, x
 
 

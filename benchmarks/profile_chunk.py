@@ -35,12 +35,13 @@ def protocol_inputs(mbs: int, seq: int, heads: int, d: int = 128, seed: int = 0)
     return x, A_log, dt_bias, cu, do
 
 
-def step(x, A_log, dt_bias, cu, do):
+def step(x, A_log, dt_bias, cu, do, **options):
+    """One protocol forward+backward; ``options`` go to chunk_kda (e.g. checkpoint_every_n_tokens)."""
     from kdakit import chunk_kda
 
     o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                     safe_gate=True, lower_bound=-5.0)
+                     safe_gate=True, lower_bound=-5.0, **options)
     o.backward(do)
 
 

@@ -121,6 +121,27 @@ def make_kda_inputs(
     return {"tensors": t, "kwargs": kw}
 
 
+BETA_MODES = ("raw", "sigmoid", "neg_eigval")
+
+
+def set_token_options(inputs: dict, *, l2norm: bool, beta_mode: str) -> dict:
+    """Switch ``make_kda_inputs``' inputs to another l2norm / beta mode, in place, keeping them sensible:
+    ``raw`` beta is given as sigmoid(beta) in (0, 1) (as FLA expects), and without l2norm q and k are
+    scaled by 0.3 so the state stays bounded. Returns ``inputs``."""
+    if beta_mode not in BETA_MODES:
+        raise ValueError(f"beta_mode must be one of {BETA_MODES}, got {beta_mode!r}")
+    kw, t = inputs["kwargs"], inputs["tensors"]
+    kw["use_qk_l2norm_in_kernel"] = l2norm
+    kw["use_beta_sigmoid_in_kernel"] = beta_mode != "raw"
+    kw["allow_neg_eigval"] = beta_mode == "neg_eigval"
+    if beta_mode == "raw":
+        t["beta"] = torch.sigmoid(t["beta"]).detach().requires_grad_()
+    if not l2norm:
+        for n in ("q", "k"):
+            t[n] = (0.3 * t[n]).detach().requires_grad_()
+    return inputs
+
+
 def run_kda(fn, inputs: dict, *, seed: int | None = None, **extra) -> dict:
     """Run ``fn`` (chunk_kda-like) forward+backward with random cotangents.
 

@@ -146,7 +146,7 @@ class ReservedPrediction:
 
 _INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "do")
 _GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias")
-_FP32 = ("A_log", "ddt_bias", "dA_log", "dt_bias")
+_FP32 = ("dA_log", "ddt_bias")  # the fp32 gradients among those the finite checks read
 
 
 def _protocol_plan(mbs: int, seq: int, heads: int, dtype: torch.dtype):

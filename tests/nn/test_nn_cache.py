@@ -6,10 +6,12 @@ FLA's layout and values, and bad caches raise naming the argument."""
 import pytest
 import torch
 
-from kdakit.nn import KDACache, KimiDeltaAttention
+from kdakit.nn import KDACache
 from kdakit.testing import assert_close
 
-HIDDEN, HEAD_DIM = 12, 8
+from .test_nn_layer import HIDDEN, rand
+from .test_nn_layer import make_layer as random_layer
+
 
 CONFIGS = {
     "mha": dict(num_heads=2),
@@ -21,18 +23,8 @@ CONFIGS = {
 
 
 def make_layer(seed, layer_idx=0, dtype=torch.float64, **cfg):
-    """Every parameter random (no zero or one initial values left to hide a bug)."""
-    torch.manual_seed(seed)
-    layer = KimiDeltaAttention(HIDDEN, head_dim=HEAD_DIM, layer_idx=layer_idx, **cfg).to(dtype)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(0.5 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
-    return layer
-
-
-def rand(*shape, seed, scale=1.0):
-    return scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    """test_nn_layer's random layer, with a layer_idx (a cache needs one)."""
+    return random_layer(seed, dtype=dtype, layer_idx=layer_idx, **cfg)
 
 
 def full_run(layer, x):

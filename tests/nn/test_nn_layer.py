@@ -24,10 +24,10 @@ CONFIGS = {
 }
 
 
-def make_layer(seed, dtype=torch.float64, **cfg):
+def make_layer(seed, dtype=torch.float64, layer_idx=None, **cfg):
     """A layer whose every parameter is random (no zero or one initial values left to hide a bug)."""
     torch.manual_seed(seed)
-    layer = KimiDeltaAttention(HIDDEN, head_dim=HEAD_DIM, **cfg).to(dtype)
+    layer = KimiDeltaAttention(HIDDEN, head_dim=HEAD_DIM, layer_idx=layer_idx, **cfg).to(dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in layer.parameters():

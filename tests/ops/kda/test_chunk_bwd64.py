@@ -11,7 +11,7 @@ import kdakit.ops.kda.chunk_bwd64 as B64
 import kdakit.ops.kda.chunk_fwd64 as F64
 from kdakit import chunk_kda
 from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.testing import SPEC_RMS_LIMITS, compare_with_naive, make_kda_inputs
+from kdakit.testing import SPEC_RMS_LIMITS, compare_with_naive, make_kda_inputs, set_token_options
 
 pytestmark = pytest.mark.skipif(not triton_interpreting(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
 # fp32 kernels vs float64, measured 5e-7 to 9e-6 (exact fp32 dots under the interpreter); 5x headroom.
@@ -37,15 +37,7 @@ def test_options_match_naive(gate, l2norm, beta_mode):
     # 0 and 1-token sequences, a partial chunk, a sequence over two chunks
     inp = make_kda_inputs(T=150, H=1, HV=1, K=16, V=16, dtype=torch.float32, gate=gate, seqlens=[70, 0, 1, 79],
                           initial_state="kv", generator=gen)
-    kw = inp["kwargs"]
-    kw["use_qk_l2norm_in_kernel"] = l2norm
-    kw["use_beta_sigmoid_in_kernel"] = beta_mode != "raw"
-    kw["allow_neg_eigval"] = beta_mode == "neg_eigval"
-    if beta_mode == "raw":
-        inp["tensors"]["beta"] = torch.sigmoid(inp["tensors"]["beta"]).detach().requires_grad_()
-    if not l2norm:
-        for n in ("q", "k"):
-            inp["tensors"][n] = (0.3 * inp["tensors"][n]).detach().requires_grad_()
+    set_token_options(inp, l2norm=l2norm, beta_mode=beta_mode)
     _compare(inp)
 
 

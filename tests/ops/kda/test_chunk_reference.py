@@ -7,7 +7,7 @@ import torch
 
 from kdakit import chunk_kda, naive_recurrent_kda
 from kdakit.ops.kda.chunk_reference import chunked_kda_reference
-from kdakit.testing import SPEC_RMS_LIMITS, assert_close, compare_with_naive, make_kda_inputs
+from kdakit.testing import SPEC_RMS_LIMITS, assert_close, compare_with_naive, make_kda_inputs, set_token_options
 
 EXACT = 1e-10  # relative RMS in float64 (issue 2: all gradients to <= 1e-10)
 
@@ -22,16 +22,7 @@ def _compare(inputs, ratio=EXACT, **extra):
 @pytest.mark.parametrize("beta_mode", ["raw", "sigmoid", "neg_eigval"])
 def test_options_match_naive(gate, l2norm, beta_mode):
     inp = make_kda_inputs(T=41, H=1, HV=2, K=8, V=6, gate=gate, seqlens=[17, 0, 1, 23], B=1, initial_state="kv")
-    kw = inp["kwargs"]
-    kw["use_qk_l2norm_in_kernel"] = l2norm
-    kw["use_beta_sigmoid_in_kernel"] = beta_mode != "raw"
-    kw["allow_neg_eigval"] = beta_mode == "neg_eigval"
-    if beta_mode == "raw":
-        # beta given directly must be a sensible (0, 1) value, as FLA expects.
-        inp["tensors"]["beta"] = torch.sigmoid(inp["tensors"]["beta"]).detach().requires_grad_()
-    if not l2norm:
-        for n in ("q", "k"):
-            inp["tensors"][n] = (0.3 * inp["tensors"][n]).detach().requires_grad_()
+    set_token_options(inp, l2norm=l2norm, beta_mode=beta_mode)
     _compare(inp)
 
 

@@ -6,7 +6,7 @@ import torch
 
 from kdakit import chunk_kda
 from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.testing import SPEC_RMS_LIMITS, compare_with_naive, make_kda_inputs, run_kda
+from kdakit.testing import SPEC_RMS_LIMITS, compare_with_naive, make_kda_inputs, run_kda, set_token_options
 
 pytestmark = pytest.mark.skipif(not triton_interpreting() and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 (CPU tier) or a CUDA device")
@@ -28,15 +28,7 @@ def _compare(inp, limit=FP32_LIMIT, overrides=None, **extra):
 def test_options_match_naive(gate, l2norm, beta_mode):
     inp = make_kda_inputs(T=37, H=1, HV=2, K=16, V=16, dtype=torch.float32, gate=gate, seqlens=[17, 0, 1, 19],
                           initial_state="kv")
-    kw = inp["kwargs"]
-    kw["use_qk_l2norm_in_kernel"] = l2norm
-    kw["use_beta_sigmoid_in_kernel"] = beta_mode != "raw"
-    kw["allow_neg_eigval"] = beta_mode == "neg_eigval"
-    if beta_mode == "raw":
-        inp["tensors"]["beta"] = torch.sigmoid(inp["tensors"]["beta"]).detach().requires_grad_()
-    if not l2norm:
-        for n in ("q", "k"):
-            inp["tensors"][n] = (0.3 * inp["tensors"][n]).detach().requires_grad_()
+    set_token_options(inp, l2norm=l2norm, beta_mode=beta_mode)
     _compare(inp, checkpoint_every_n_tokens=16)
 
 
