@@ -63,10 +63,12 @@ def scatter_pool_rows(pool, final, state_indices, valid, host) -> None:
         return
     if pool.shape[0] == 0 or idx.numel() == 0:
         return  # no row to write (checked indices into an empty pool are all -1)
-    first = torch.argmax(valid.to(torch.int32))  # first valid sequence, 0 if none (argmax: first maximum)
-    any_valid = valid[first]
-    sink_row = torch.where(any_valid, idx[first], torch.zeros_like(idx[first]))
-    sink_value = torch.where(any_valid, final[first], pool[0])
+    # first valid sequence, 0 if none (argmax: first maximum). Selected with index_select on a [1]
+    # index: indexing with a 0-d device tensor reads it on the host, which a CUDA graph capture refuses.
+    first = torch.argmax(valid.to(torch.int32)).view(1)
+    any_valid = valid.index_select(0, first)  # [1]
+    sink_row = torch.where(any_valid, idx.index_select(0, first), torch.zeros_like(any_valid, dtype=idx.dtype))
+    sink_value = torch.where(any_valid.view(1, 1, 1, 1), final.index_select(0, first), pool[:1])  # [1, ...]
     rows = torch.where(valid, idx, sink_row)
     values = torch.where(valid[:, None, None, None], final, sink_value)
     pool[rows] = values
