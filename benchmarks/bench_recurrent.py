@@ -2,15 +2,21 @@
 forward+backward against the chunked path. Writes a JSON results file.
 
     python benchmarks/bench_recurrent.py --out results/recurrent_h200.json
+    python benchmarks/bench_recurrent.py --sweep --train-t --out results/recurrent_sweep_h200.json
 
 1. Device copy bandwidth (bytes read + written / median time of a 2 GiB device-to-device copy).
-2. Decode step (``kdakit.kda_decode``), N in {64, 256} sequences, H = HV = 32, K = V = 128,
-   one token, fp32 and bf16 state pools: state bandwidth = state bytes read + written /
-   median kernel time, against the copy bandwidth (target >= 75%). Timed as CUDA-graph
-   replays (the kernel alone) and as eager calls (with the Python launch path). FLA 0.6.0's
+2. Decode step (``kdakit.kda_decode``), N in {64, 256, 1024, 4096} sequences, H = HV = 32,
+   K = V = 128, one token, fp32 and bf16 state pools: state bandwidth = state bytes read +
+   written / median kernel time, against the copy bandwidth. Timed as CUDA-graph replays (the
+   kernel alone) and as eager calls (with the Python launch path). FLA 0.6.0's
    ``fused_recurrent_kda`` kernel on the same pool in the same run when ``fla`` imports
    (its vLLM entry ``fused_recurrent_kda_fwd`` with ``ssm_state_indices`` and
-   ``inplace_final_state``).
+   ``inplace_final_state``). Targets (issue #13): state bandwidth >= 85% of the copy's and
+   >= 1.3x FLA's speed, each recorded per row in ``meets_target``.
+   With ``--sweep``, each decode cell also times the kernel at every launch config of a small
+   grid (block_v x num_warps, through the launcher kda_decode calls), each config gated like
+   the row, with fewer timed replays than the row; the fastest config per cell and per state
+   dtype is recorded.
 3. Recurrent forward+backward (``kdakit.fused_recurrent_kda`` with autograd, eager) at
    T in {1, 17, 1024} against ``kdakit.ops.kda.chunk.chunk_kda`` at the same shapes, plus
    the recurrent kernels alone (direct calls replayed from a CUDA graph) and the backward's
@@ -25,13 +31,16 @@ definition); a failed gate is recorded and the case is not timed. A missing comp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import time
 import traceback
 
 import torch
@@ -40,17 +49,31 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # FLA's native Trito
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kdakit.ops.kda.decode import kda_decode, kda_decode_reference  # noqa: E402
+from kdakit.ops.kda.decode import (  # noqa: E402
+    DECODE_BLOCK_V,
+    DECODE_NUM_WARPS,
+    kda_decode,
+    kda_decode_reference,
+    launch_kda_decode,
+)
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda  # noqa: E402
 from kdakit.ops.kda.naive import naive_recurrent_kda  # noqa: E402
 from kdakit.ops.kda.recurrent_backward import recurrent_kda_backward  # noqa: E402
+from kdakit.ops.kda.validate import flat_gate_params  # noqa: E402
 from kdakit.ops.kda.workspace import Workspace  # noqa: E402
-from kdakit.testing import error_report  # noqa: E402
+from kdakit.testing import ErrorReport, error_report  # noqa: E402
 
 DEV = "cuda"
-TARGET_FRACTION = 0.75
+# issue #13: decode state bandwidth >= 85% of a device copy's, and >= 1.3x FLA 0.6.0's fused_recurrent decode
+TARGET_FRACTION = 0.85
+TARGET_SPEEDUP_VS_FLA = 1.3
 DECODE_GATE_RATIO = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 TRAIN_GATE_RATIO = 2e-2  # bf16 inputs and gradients vs float64 (or vs the chunked path)
+DECODE_N = (64, 256, 1024, 4096)
+# The launch-config grid of --sweep: decode.py's DECODE_BLOCK_V / DECODE_NUM_WARPS and their neighbours.
+SWEEP_BLOCK_V = (8, 16, 32, 64)
+SWEEP_NUM_WARPS = (1, 2, 4, 8)
+SWEEP_WARMUP = 5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +179,180 @@ def _fla_decode_fn(t, opts, pool, idx, out):
     return run
 
 
-def bench_decode(N: int, pool_dtype: torch.dtype, copy_GBps: float, iters: int) -> dict:
+def device_error_report(name: str, ref: torch.Tensor, got: torch.Tensor, chunk_elems: int = 1 << 26) -> ErrorReport:
+    """``kdakit.testing.error_report`` (max abs error, rms ratio, both in float64) computed on the
+    tensors' device, ``chunk_elems`` elements at a time.
+
+    error_report copies both tensors to the host in float64: 16 GiB each for the fp32 pool of the
+    N=4096 cell, seconds of copying and tens of GiB of host memory per call, too slow to gate every
+    sweep config. The same quantities in the same precision; only the summation order differs.
+    """
+    if ref.shape != got.shape:
+        raise ValueError(f"{name}: shape mismatch, reference {list(ref.shape)} vs got {list(got.shape)}")
+    if chunk_elems < 1:
+        raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
+    if got.numel() == 0:
+        return ErrorReport(name, 0.0, 0.0)
+    zero = torch.zeros((), dtype=torch.float64, device=got.device)
+    finite, max_abs, err_sq, ref_sq = torch.ones((), dtype=torch.bool, device=got.device), zero, zero, zero
+    for r, x in zip(ref.detach().reshape(-1).split(chunk_elems), got.detach().reshape(-1).split(chunk_elems)):
+        r, x = r.to(torch.float64), x.to(torch.float64)
+        finite = finite & torch.isfinite(x).all()
+        err = x - r
+        max_abs = torch.maximum(max_abs, err.abs().max())
+        err_sq = err_sq + err.pow(2).sum()
+        ref_sq = ref_sq + r.pow(2).sum()
+    finite, max_abs, err_sq, ref_sq = torch.stack([finite.double(), max_abs, err_sq, ref_sq]).tolist()
+    if not finite:
+        return ErrorReport(name, float("inf"), float("inf"))
+    n = got.numel()
+    ref_rms, err_rms = math.sqrt(ref_sq / n), math.sqrt(err_sq / n)
+    if ref_rms == 0.0:
+        return ErrorReport(name, max_abs, 0.0 if err_rms == 0.0 else float("inf"))
+    return ErrorReport(name, max_abs, err_rms / ref_rms)
+
+
+def _decode_reference(t, opts, pool, idx):
+    """One step of the PyTorch reference from ``pool`` (left as it is): (output, pool after the step)."""
+    N, K = t["q"].shape[0], t["q"].shape[3]
+    ref_pool, ref_o = pool.clone(), torch.empty_like(t["v"])
+    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, None, ref_o,
+                         A_log=t["A_log"], dt_bias=t["dt_bias"], scale=K ** -0.5, cu_seqlens=None, N=N,
+                         allow_neg_eigval=False, **opts)
+    return ref_o, ref_pool
+
+
+def _decode_gate(ref_o, ref_pool, o, state):
+    """The decode correctness gate: (report strings, passed)."""
+    reps = [device_error_report("o", ref_o, o), device_error_report("state", ref_pool, state)]
+    return [str(r) for r in reps], all(r.rms_ratio <= DECODE_GATE_RATIO[state.dtype] for r in reps)
+
+
+def decode_targets(fraction_of_copy: float, speedup_vs_fla: float | None) -> dict:
+    """Issue #13's two decode targets, each on its own (None: FLA was not measured)."""
+    return {"fraction_of_copy": fraction_of_copy >= TARGET_FRACTION,
+            "speedup_vs_fla": None if speedup_vs_fla is None else speedup_vs_fla >= TARGET_SPEEDUP_VS_FLA}
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch-config sweep (--sweep)
+# ---------------------------------------------------------------------------------------------
+
+def sweep_configs(V: int, block_v=SWEEP_BLOCK_V, num_warps=SWEEP_NUM_WARPS) -> list[tuple[int, int]]:
+    """The (block_v, num_warps) grid for value dimension ``V``: block_v above V is left out, as the
+    launcher clamps the tile to V and it would time a duplicate config."""
+    if V < 1:
+        raise ValueError(f"V must be >= 1, got {V}")
+    return [(bv, nw) for bv in block_v if bv <= V for nw in num_warps]
+
+
+def best_config(rows: list[dict]) -> dict | None:
+    """The fastest timed row of one cell's sweep (rows that failed or were skipped have no graph_ms),
+    with its speedup over decode.py's default config when that was timed; None when none was timed."""
+    timed = [r for r in rows if "graph_ms" in r]
+    if not timed:
+        return None
+    best = min(timed, key=lambda r: r["graph_ms"])
+    out = {n: best[n] for n in ("block_v", "num_warps", "graph_ms", "fraction_of_copy")}
+    default = [r for r in timed if r.get("default")]
+    if default:
+        out["speedup_vs_default"] = default[0]["graph_ms"] / best["graph_ms"]
+    return out
+
+
+def overall_best(cells: list[dict]) -> dict:
+    """Per state dtype, the config to make the default: the lowest geometric mean over that dtype's
+    swept cells of (config time / the cell's fastest time), among configs timed in every such cell.
+    ``cells``: decode rows carrying a ``sweep`` list."""
+    by_dtype = {}
+    for cell in cells:
+        if cell.get("sweep") and "graph_ms" in (cell.get("sweep_best") or {}):
+            by_dtype.setdefault(cell["state_dtype"], []).append(cell)
+    out = {}
+    for dtype, group in by_dtype.items():
+        slowdowns = {}
+        for cell in group:
+            fastest = cell["sweep_best"]["graph_ms"]
+            for r in cell["sweep"]:
+                if "graph_ms" in r:
+                    slowdowns.setdefault((r["block_v"], r["num_warps"]), []).append(r["graph_ms"] / fastest)
+        complete = {c: s for c, s in slowdowns.items() if len(s) == len(group)}
+        if not complete:
+            out[dtype] = None
+            continue
+        geomean = {c: math.exp(sum(map(math.log, s)) / len(s)) for c, s in complete.items()}
+        (bv, nw) = min(geomean, key=geomean.get)
+        out[dtype] = {"block_v": bv, "num_warps": nw, "geomean_slowdown_vs_cell_best": geomean[(bv, nw)],
+                      "worst_slowdown_vs_cell_best": max(complete[(bv, nw)]), "cells_N": [c["N"] for c in group]}
+    return out
+
+
+@dataclasses.dataclass
+class SweepPlan:
+    """What --sweep times, and the time it has left over all cells (spent as it runs)."""
+    iters: int
+    left_s: float
+    warmup: int = SWEEP_WARMUP
+
+
+def _launch_fn(t, opts, pool, idx, out, block_v, num_warps):
+    """kda_decode's kernel at one launch config: kda_decode's own launcher (``kda_decode`` itself always
+    launches decode.py's DECODE_BLOCK_V / DECODE_NUM_WARPS), without kda_decode's validation."""
+    N, K = t["q"].shape[0], t["q"].shape[3]
+    A_log, dt_bias = flat_gate_params(t["A_log"], t["dt_bias"])
+
+    def run():
+        launch_kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, None, out, A_log=A_log,
+                          dt_bias=dt_bias, scale=K ** -0.5, cu_seqlens=None, N=N, allow_neg_eigval=False,
+                          block_v=block_v, num_warps=num_warps, **opts)
+    return run
+
+
+def _sweep_one(t, opts, pool, idx, ref_o, ref_pool, block_v, num_warps, state_bytes, copy_GBps, plan) -> dict:
+    """One config on its own copy of ``pool`` (freed on return, so the next config's 8 GiB copy at N=4096
+    fp32 reuses its memory): a gated step, then the timed replays."""
+    cfg_pool, cfg_o = pool.clone(), torch.empty_like(t["v"])
+    run = _launch_fn(t, opts, cfg_pool, idx, cfg_o, block_v, num_warps)
+    run()
+    row = {}
+    row["gate"], ok = _decode_gate(ref_o, ref_pool, cfg_o, cfg_pool)
+    if not ok:
+        row["error"] = "correctness gate failed"
+        return row
+    replay, _graph = graphed(run)
+    ms = median_ms(replay, warmup=plan.warmup, iters=plan.iters)
+    row["graph_ms"] = ms
+    row["fraction_of_copy"] = state_bytes / ms / 1e6 / copy_GBps
+    return row
+
+
+def sweep_decode(t, opts, pool, idx, ref_o, ref_pool, copy_GBps: float, plan: SweepPlan) -> list[dict]:
+    """Each config of the grid on a copy of ``pool`` (left as it is): one step gated against the reference
+    step (``ref_o``, ``ref_pool``) as the row's kda_decode step is, then CUDA-graph replays timed on that
+    copy. Configs reached after the plan's time is spent are recorded as skipped."""
+    state_bytes = 2 * pool.numel() * pool.element_size()
+    start = time.monotonic()
+    rows = []
+    try:
+        for block_v, num_warps in sweep_configs(t["v"].shape[3]):
+            row = {"block_v": block_v, "num_warps": num_warps,
+                   "default": (block_v, num_warps) == (DECODE_BLOCK_V, DECODE_NUM_WARPS)}
+            rows.append(row)
+            if time.monotonic() - start >= plan.left_s:
+                row["skipped"] = "the sweep's time budget (--sweep-budget-s) is spent"
+                continue
+            try:
+                row.update(_sweep_one(t, opts, pool, idx, ref_o, ref_pool, block_v, num_warps, state_bytes,
+                                      copy_GBps, plan))
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is recorded
+                row["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        # charged even when the cell dies (an error in bench_decode after a config), so later cells see it
+        plan.left_s -= time.monotonic() - start
+    return rows
+
+
+def bench_decode(N: int, pool_dtype: torch.dtype, copy_GBps: float, iters: int, sweep: SweepPlan | None = None) -> dict:
     H, K, V = 32, 128, 128
     t, opts = _decode_inputs(N, H, K, V)
     P = N
@@ -168,18 +364,20 @@ def bench_decode(N: int, pool_dtype: torch.dtype, copy_GBps: float, iters: int) 
            "state_bytes_read_plus_written": state_bytes}
 
     # correctness gate: one step against the PyTorch reference on a copy of the pool
-    ref_pool, ref_o = pool.clone(), torch.empty_like(out)
-    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, None, ref_o,
-                         A_log=t["A_log"], dt_bias=t["dt_bias"], scale=K ** -0.5, cu_seqlens=None, N=N,
-                         allow_neg_eigval=False, **opts)
+    ref_o, ref_pool = _decode_reference(t, opts, pool, idx)
     gate_pool = pool.clone()
     o = kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], gate_pool, idx, A_log=t["A_log"],
                    dt_bias=t["dt_bias"], **opts)
-    reps = [error_report("o", ref_o, o), error_report("state", ref_pool.float(), gate_pool.float())]
-    res["gate"] = [str(r) for r in reps]
-    if not all(r.rms_ratio <= DECODE_GATE_RATIO[pool_dtype] for r in reps):
+    res["gate"], ok = _decode_gate(ref_o, ref_pool, o, gate_pool)
+    del gate_pool
+    if not ok:
         res["error"] = "correctness gate failed"
         return res
+    if sweep is not None:
+        # before the row's timing, which updates the pool in place: each config is gated from the reference's start
+        res["sweep"] = sweep_decode(t, opts, pool, idx, ref_o, ref_pool, copy_GBps, sweep)
+        res["sweep_best"] = best_config(res["sweep"])
+    del ref_o, ref_pool
 
     def ours():
         kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, A_log=t["A_log"], dt_bias=t["dt_bias"],
@@ -190,20 +388,17 @@ def bench_decode(N: int, pool_dtype: torch.dtype, copy_GBps: float, iters: int) 
     res["kdakit_graph_ms"] = ms
     res["kdakit_state_GBps"] = state_bytes / ms / 1e6
     res["kdakit_fraction_of_copy"] = res["kdakit_state_GBps"] / copy_GBps
-    res["meets_target"] = res["kdakit_fraction_of_copy"] >= TARGET_FRACTION
+    res["meets_target"] = decode_targets(res["kdakit_fraction_of_copy"], None)
     res["kdakit_eager_ms"] = median_ms(ours, warmup=10, iters=max(20, iters // 4))
 
     try:
         fla_pool = pool.clone()
         fla_out = torch.empty_like(out)
-        ref2_pool, ref2_o = fla_pool.clone(), torch.empty_like(out)
-        kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref2_pool, idx, None, ref2_o,
-                             A_log=t["A_log"], dt_bias=t["dt_bias"], scale=K ** -0.5, cu_seqlens=None, N=N,
-                             allow_neg_eigval=False, **opts)
+        ref2_o = _decode_reference(t, opts, fla_pool, idx)[0]
         run_fla = _fla_decode_fn(t, opts, fla_pool, idx, fla_out)
         run_fla()
         torch.cuda.synchronize()
-        rep = error_report("fla o", ref2_o, fla_out)
+        rep = device_error_report("fla o", ref2_o, fla_out)
         res["fla_gate"] = str(rep)
         # FLA keeps bf16 state unrounded within a step; one step differs by bf16 rounding only
         if rep.rms_ratio > 1e-2:
@@ -215,8 +410,14 @@ def bench_decode(N: int, pool_dtype: torch.dtype, copy_GBps: float, iters: int) 
             res["fla_state_GBps"] = state_bytes / fms / 1e6
             res["fla_fraction_of_copy"] = res["fla_state_GBps"] / copy_GBps
             res["kdakit_speedup_vs_fla"] = fms / ms
+            res["meets_target"] = decode_targets(res["kdakit_fraction_of_copy"], res["kdakit_speedup_vs_fla"])
+            if res.get("sweep_best"):
+                res["sweep_best"]["speedup_vs_fla"] = fms / res["sweep_best"]["graph_ms"]
     except Exception as exc:  # noqa: BLE001 - record any FLA failure (not installed, API mismatch)
         res["fla_error"] = f"{type(exc).__name__}: {exc}"
+    if res.get("sweep_best"):
+        best = res["sweep_best"]
+        best["meets_target"] = decode_targets(best["fraction_of_copy"], best.get("speedup_vs_fla"))
     return res
 
 
@@ -346,20 +547,90 @@ def bench_fwd_bwd(T: int, iters: int) -> dict:
 # Main
 # ---------------------------------------------------------------------------------------------
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="path of the JSON results file")
     parser.add_argument("--iters", type=int, default=200, help="timed runs per decode measurement")
     parser.add_argument("--train-iters", type=int, default=20, help="timed runs per fwd/fwd+bwd measurement")
-    parser.add_argument("--decode-n", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--train-t", type=int, nargs="+", default=[1, 17, 1024])
+    parser.add_argument("--decode-n", type=int, nargs="+", default=list(DECODE_N),
+                        help="decode batch sizes (sequences per step; each in fp32 and bf16 state)")
+    parser.add_argument("--train-t", type=int, nargs="*", default=[1, 17, 1024],
+                        help="fwd+bwd sequence lengths; the flag alone (no values) skips fwd+bwd")
+    parser.add_argument("--sweep", action="store_true",
+                        help=f"also time every decode launch config block_v in {SWEEP_BLOCK_V} x num_warps in "
+                             f"{SWEEP_NUM_WARPS} per decode cell")
+    parser.add_argument("--sweep-iters", type=int, default=30,
+                        help="timed replays per sweep config (fewer than --iters, to keep the sweep short)")
+    parser.add_argument("--sweep-budget-s", type=float, default=90.0,
+                        help="seconds the whole sweep may take; configs reached later are recorded as skipped")
+    return parser
+
+
+def summary_lines(results: dict) -> list[str]:
+    """The printed verdict: each decode row against both targets, and the sweep's picks."""
+    def verdict(ok):
+        return "meets" if ok else "misses"
+
+    lines = [f"targets: decode state bandwidth >= {TARGET_FRACTION:.0%} of copy, "
+             f">= {TARGET_SPEEDUP_VS_FLA}x FLA fused_recurrent decode"]
+    for r in results.get("decode", []):
+        cell = f"decode N={r['N']} {r['state_dtype']}"
+        if "meets_target" not in r:
+            lines.append(f"{cell}: {r.get('error', 'not measured')}")
+            continue
+        m = r["meets_target"]
+        speed = (f"{r['kdakit_speedup_vs_fla']:.2f}x FLA ({verdict(m['speedup_vs_fla'])} {TARGET_SPEEDUP_VS_FLA}x)"
+                 if m["speedup_vs_fla"] is not None else f"FLA not measured ({r.get('fla_error', 'no FLA row')})")
+        lines.append(f"{cell}: {r['kdakit_fraction_of_copy']:.3f} of copy ({verdict(m['fraction_of_copy'])} "
+                     f"{TARGET_FRACTION}), {speed}")
+        best = r.get("sweep_best")
+        if "sweep" in r:
+            if best is None:
+                lines.append("  sweep: no config timed")
+                continue
+            vs_fla = f", {best['speedup_vs_fla']:.2f}x FLA" if "speedup_vs_fla" in best else ""
+            vs_default = f", {best['speedup_vs_default']:.2f}x default" if "speedup_vs_default" in best else ""
+            lines.append(f"  sweep best: block_v={best['block_v']} num_warps={best['num_warps']} "
+                         f"{best['graph_ms']:.4f} ms, {best['fraction_of_copy']:.3f} of copy{vs_default}{vs_fla}")
+    for dtype, pick in (results.get("sweep_overall_best") or {}).items():
+        if pick is None:
+            lines.append(f"sweep pick {dtype}: no config timed in every cell")
+        else:
+            lines.append(f"sweep pick {dtype}: block_v={pick['block_v']} num_warps={pick['num_warps']} "
+                         f"(geomean {pick['geomean_slowdown_vs_cell_best']:.3f}x, worst "
+                         f"{pick['worst_slowdown_vs_cell_best']:.3f}x of each cell's fastest; "
+                         f"default block_v={DECODE_BLOCK_V} num_warps={DECODE_NUM_WARPS})")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    for name in ("iters", "train_iters", "sweep_iters"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.sweep_budget_s > 0:
+        parser.error(f"--sweep-budget-s must be > 0, got {args.sweep_budget_s}")
     if not torch.cuda.is_available():
         print("bench_recurrent needs a CUDA device", file=sys.stderr)
         return 2
 
     results = {"benchmark": "recurrent KDA: decode state bandwidth and recurrent fwd+bwd",
-               "env": environment(), "target_fraction_of_copy": TARGET_FRACTION}
+               "env": environment(), "target_fraction_of_copy": TARGET_FRACTION,
+               "target_speedup_vs_fla": TARGET_SPEEDUP_VS_FLA,
+               "default_launch_config": {"block_v": DECODE_BLOCK_V, "num_warps": DECODE_NUM_WARPS}}
+    sweep = None
+    if args.sweep:
+        sweep = SweepPlan(iters=args.sweep_iters, left_s=args.sweep_budget_s)
+        results["sweep_protocol"] = {
+            "block_v": list(SWEEP_BLOCK_V), "num_warps": list(SWEEP_NUM_WARPS), "skip": "block_v > V",
+            "warmup_replays": sweep.warmup, "timed_replays": sweep.iters, "row_timed_replays": args.iters,
+            "budget_s": args.sweep_budget_s,
+            "method": "launch_kda_decode (kda_decode's launcher, without its validation) at each config on a copy "
+                      "of the cell's pool, one step gated against the reference as the row is, then the median of "
+                      "CUDA-event timings of CUDA-graph replays; fewer timed replays than the row's, so a config's "
+                      "graph_ms is noisier than the row's kdakit_graph_ms",
+        }
     results["copy"] = copy_bandwidth()
     print(f"copy bandwidth {results['copy']['GBps']:.0f} GB/s", flush=True)
 
@@ -367,12 +638,15 @@ def main(argv=None) -> int:
     for N in args.decode_n:
         for dt in (torch.float32, torch.bfloat16):
             try:
-                r = bench_decode(N, dt, results["copy"]["GBps"], args.iters)
+                r = bench_decode(N, dt, results["copy"]["GBps"], args.iters, sweep)
             except Exception as exc:  # noqa: BLE001 - keep the other cases
-                r = {"N": N, "state_dtype": str(dt), "error": f"{type(exc).__name__}: {exc}",
+                r = {"N": N, "state_dtype": str(dt).replace("torch.", ""), "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc(limit=5)}
             results["decode"].append(r)
             print(json.dumps(r), flush=True)
+    if sweep is not None:
+        results["sweep_protocol"]["spent_s"] = args.sweep_budget_s - sweep.left_s
+        results["sweep_overall_best"] = overall_best(results["decode"])
 
     results["fwd_bwd"] = []
     for T in args.train_t:
@@ -386,6 +660,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
+    print("\n".join(summary_lines(results)))
     print(f"wrote {args.out}")
     return 0
 

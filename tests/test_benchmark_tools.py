@@ -3,6 +3,7 @@ measurement parent's shared-process and deadline bookkeeping, and run_gpu.sh's s
 
 import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -419,3 +420,134 @@ def test_bench_chunk_main_records_gate_drops_kdakit_on_failure_and_writes_compar
     res = json.load(open(out))
     assert calls[1]["backends"] == ["fla"] and calls[1]["shared"] is False
     assert res["kdakit_dropped"] and {r["backend"] for r in res["records"]} == {"fla"} and rc == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_recurrent: decode targets, the launch-config sweep and its picks
+# ---------------------------------------------------------------------------------------------
+
+def test_bench_recurrent_help_targets_and_default_cells():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_recurrent.py"), "--help"],
+                         check=True, capture_output=True, text=True).stdout
+    for flag in ("--sweep", "--sweep-iters", "--sweep-budget-s", "--decode-n", "--train-t"):
+        assert flag in out
+    import bench_recurrent as br
+
+    args = br.build_parser().parse_args(["--out", "x.json"])
+    assert not args.sweep and {1024, 4096} <= set(args.decode_n)
+    assert br.build_parser().parse_args(["--sweep", "--train-t", "--out", "x.json"]).train_t == []
+    # issue #13: >= 85% of copy bandwidth and >= 1.3x FLA, judged separately
+    assert br.decode_targets(0.86, 1.29) == {"fraction_of_copy": True, "speedup_vs_fla": False}
+    assert br.decode_targets(0.849, 1.31) == {"fraction_of_copy": False, "speedup_vs_fla": True}
+    assert br.decode_targets(0.9, None) == {"fraction_of_copy": True, "speedup_vs_fla": None}
+
+
+def test_bench_recurrent_config_grid_and_best_config_pickers():
+    import bench_recurrent as br
+
+    assert br.sweep_configs(128) == [(bv, nw) for bv in (8, 16, 32, 64) for nw in (1, 2, 4, 8)]
+    assert br.sweep_configs(16) == [(bv, nw) for bv in (8, 16) for nw in (1, 2, 4, 8)]
+    with pytest.raises(ValueError, match="V must be"):
+        br.sweep_configs(0)
+
+    def row(bv, nw, ms):
+        return {"block_v": bv, "num_warps": nw, "default": (bv, nw) == (16, 1), "graph_ms": ms,
+                "fraction_of_copy": 0.1 / ms}
+
+    a = [row(16, 1, 1.0), row(32, 2, 0.8), row(8, 1, 0.9), {"block_v": 64, "num_warps": 1, "error": "x"}]
+    b = [row(16, 1, 2.0), row(32, 2, 2.2), row(8, 1, 1.9), {"block_v": 64, "num_warps": 1, "skipped": "budget"}]
+    best = br.best_config(a)
+    assert (best["block_v"], best["num_warps"], best["graph_ms"]) == (32, 2, 0.8)
+    assert best["speedup_vs_default"] == pytest.approx(1.25)
+    assert br.best_config([{"block_v": 8, "num_warps": 1, "error": "x"}]) is None
+    cells = [{"N": 64, "state_dtype": "float32", "sweep": a, "sweep_best": br.best_config(a)},
+             {"N": 4096, "state_dtype": "float32", "sweep": b, "sweep_best": br.best_config(b)},
+             {"N": 64, "state_dtype": "bfloat16", "error": "correctness gate failed"}]
+    pick = br.overall_best(cells)
+    # (8, 1): 0.9/0.8 and 1.9/1.9 -> geomean 1.061; (32, 2): 1.0 and 2.2/1.9 -> 1.076; (16, 1): 1.118
+    assert set(pick) == {"float32"}
+    assert (pick["float32"]["block_v"], pick["float32"]["num_warps"]) == (8, 1)
+    assert pick["float32"]["geomean_slowdown_vs_cell_best"] == pytest.approx(math.sqrt(0.9 / 0.8))
+    assert pick["float32"]["worst_slowdown_vs_cell_best"] == pytest.approx(0.9 / 0.8)
+    assert pick["float32"]["cells_N"] == [64, 4096]
+
+
+def test_device_error_report_is_error_report_in_chunks():
+    import bench_recurrent as br
+    from kdakit.testing import error_report
+
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(5, 3, 7, generator=gen)
+    got = (ref + 1e-3 * torch.randn(5, 3, 7, generator=gen)).bfloat16()
+    want = error_report("s", ref, got)
+    for chunk in (1, 7, 1 << 26):
+        rep = br.device_error_report("s", ref, got, chunk_elems=chunk)
+        assert rep.max_abs == pytest.approx(want.max_abs) and rep.rms_ratio == pytest.approx(want.rms_ratio)
+    bad = got.float().clone()
+    bad[2, 1, 3] = float("nan")
+    assert br.device_error_report("s", ref, bad, chunk_elems=4).rms_ratio == float("inf")
+    assert br.device_error_report("s", torch.zeros(4), torch.zeros(4)).rms_ratio == 0.0
+    with pytest.raises(ValueError, match="shape mismatch"):
+        br.device_error_report("s", ref, got[0])
+
+
+def test_bench_recurrent_sweep_gates_each_config_on_the_cpu_kernel(monkeypatch):
+    import bench_recurrent as br
+
+    monkeypatch.setattr(br, "DEV", "cpu")
+    monkeypatch.setattr(br, "graphed", lambda fn: (fn, None))
+    # a fake clock per config, in sweep_configs(16) order: (16, 2) is the fastest
+    times = iter([2.0, 1.9, 1.8, 1.7, 1.0, 0.5, 0.6, 0.7])
+    replays = []
+
+    def fake_median_ms(fn, warmup, iters):
+        fn()
+        replays.append((warmup, iters))
+        return next(times)
+
+    monkeypatch.setattr(br, "median_ms", fake_median_ms)
+    N, H, K, V = 3, 2, 16, 16
+    t, opts = br._decode_inputs(N, H, K, V)
+    # a bf16 pool: its gate (1e-2) allows the bf16 output's last-bit differences that the interpreter's
+    # truncating fp32 -> bf16 cast gives; the fp32 pool's gate (1e-4) holds only on the GPU
+    pool = (0.3 * torch.randn(N, H, V, K, generator=torch.Generator().manual_seed(2))).bfloat16()
+    idx = torch.tensor([2, 0, 1], dtype=torch.int32)
+    start = pool.clone()
+    ref_o, ref_pool = br._decode_reference(t, opts, pool, idx)
+    plan = br.SweepPlan(iters=4, left_s=1e9)
+    rows = br.sweep_decode(t, opts, pool, idx, ref_o, ref_pool, copy_GBps=1.0, plan=plan)
+    assert torch.equal(pool, start)  # each config runs on its own copy
+    assert [(r["block_v"], r["num_warps"]) for r in rows] == br.sweep_configs(V)
+    assert all("graph_ms" in r and len(r["gate"]) == 2 for r in rows), rows
+    assert replays == [(br.SWEEP_WARMUP, 4)] * len(rows)
+    assert [r["default"] for r in rows] == [(r["block_v"], r["num_warps"]) == (br.DECODE_BLOCK_V,
+                                                                               br.DECODE_NUM_WARPS) for r in rows]
+    best = br.best_config(rows)
+    assert (best["block_v"], best["num_warps"]) == (16, 2) and plan.left_s < 1e9
+    assert rows[5]["fraction_of_copy"] == pytest.approx(2 * pool.numel() * 2 / 0.5 / 1e6)
+
+    # a wrong reference fails every config's gate, and none is timed
+    rows = br.sweep_decode(t, opts, pool, idx, ref_o, ref_pool.float() + 1.0, copy_GBps=1.0,
+                           plan=br.SweepPlan(iters=4, left_s=1e9))
+    assert all(r.get("error") == "correctness gate failed" and "graph_ms" not in r for r in rows)
+    # a spent budget skips every config without launching one
+    rows = br.sweep_decode(t, opts, pool, idx, ref_o, ref_pool, copy_GBps=1.0, plan=br.SweepPlan(iters=4, left_s=0))
+    assert all("skipped" in r for r in rows) and br.best_config(rows) is None
+
+
+def test_bench_recurrent_summary_states_both_targets():
+    import bench_recurrent as br
+
+    row = {"N": 4096, "state_dtype": "bfloat16", "kdakit_fraction_of_copy": 0.86, "kdakit_speedup_vs_fla": 1.2,
+           "meets_target": br.decode_targets(0.86, 1.2),
+           "sweep": [], "sweep_best": {"block_v": 32, "num_warps": 2, "graph_ms": 1.0, "fraction_of_copy": 0.9,
+                                       "speedup_vs_default": 1.1, "speedup_vs_fla": 1.35}}
+    no_fla = {"N": 64, "state_dtype": "float32", "kdakit_fraction_of_copy": 0.8, "fla_error": "ImportError: fla",
+              "meets_target": br.decode_targets(0.8, None)}
+    lines = br.summary_lines({"decode": [row, no_fla, {"N": 1, "state_dtype": "float32", "error": "boom"}],
+                              "sweep_overall_best": {"bfloat16": None}})
+    assert "85%" in lines[0] and "1.3x" in lines[0]
+    assert "0.860 of copy (meets 0.85), 1.20x FLA (misses 1.3x)" in lines[1]
+    assert "block_v=32 num_warps=2" in lines[2] and "1.35x FLA" in lines[2]
+    assert lines[3].endswith("0.800 of copy (misses 0.85), FLA not measured (ImportError: fla)")
+    assert lines[4].endswith("boom") and "no config timed in every cell" in lines[5]
