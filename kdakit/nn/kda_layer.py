@@ -84,10 +84,13 @@ from kdakit.nn.short_conv import ShortConvolution
 from kdakit.ops.kda.chunk import chunk_kda
 from kdakit.ops.kda.decode import kda_decode
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
+from kdakit.ops.kda.validate import check_pool_rows
 from kdakit.ops.kda.workspace import check_capturable_offsets, is_capturing
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# the layer's out-of-range message for pool rows (``check_pool_rows``, the op's check, names the rest)
+POOL_ROWS_RANGE_MESSAGE = "{name} must hold pool rows in [-1, P={P}) (-1 = padded), got {bad}"
 MODES = ("chunk", "fused_recurrent")
 # Range of the gate's lower bound accepted by chunk_kda's safe-gate path (docs/spec.md §2.3).
 SAFE_LOWER_BOUND_MIN = -5.0
@@ -382,7 +385,8 @@ class KimiDeltaAttention(nn.Module):
                 and isinstance(initial_state, torch.Tensor):
             # the one host read of the pool path, before the conv pool is gathered or any row written;
             # the op then skips its own read (a missing pool is the op's error, named there)
-            _check_index_values("state_indices", state_indices, initial_state.shape[0])
+            check_pool_rows("state_indices", state_indices, initial_state.shape[0],
+                            range_message=POOL_ROWS_RANGE_MESSAGE)
         contexts = None if conv_state is None else self._split_channels(
             conv_state if rows is None else _gather_conv_rows(conv_state, rows))
         q, k, v, proj = self._mix_qkv(hidden_states, contexts, cu_seqlens)
@@ -469,7 +473,8 @@ class KimiDeltaAttention(nn.Module):
         if check_indices and not is_capturing(hidden_states.device):
             # the one host read of the step, before the conv pool is gathered or any row written;
             # kda_decode then skips its own read
-            _check_index_values("state_indices", state_indices, state_pool.shape[0])
+            check_pool_rows("state_indices", state_indices, state_pool.shape[0],
+                            range_message=POOL_ROWS_RANGE_MESSAGE)
         contexts = None if conv_state is None else self._split_channels(_gather_conv_rows(conv_state, rows))
         q, k, v, proj = self._mix_qkv(hidden_states, contexts, None)
         g, beta = self._gate_inputs(hidden_states)
@@ -721,21 +726,6 @@ def _seq_starts(B, T, cu_seqlens, device):
     if cu_seqlens is None:
         return torch.arange(B, device=device, dtype=torch.long) * T
     return cu_seqlens[:-1].long()
-
-
-def _check_index_values(name, state_indices, P) -> None:
-    """Pool rows in ``[-1, P)`` and distinct across sequences (two sequences writing one row would
-    leave whichever state was written last), read to the host once: the one device->host copy of
-    the pool path, made before any pool row is read or written."""
-    host = state_indices.tolist()
-    bad = sorted({i for i in host if not -1 <= i < P})
-    if bad:
-        raise ValueError(f"{name} must hold pool rows in [-1, P={P}) (-1 = padded), got {bad}")
-    owner = {}
-    for n, r in enumerate(host):
-        if r >= 0 and owner.setdefault(r, n) != n:
-            raise ValueError(f"{name} rows must be distinct across sequences: row {r} is used by "
-                             f"sequences {owner[r]} and {n}")
 
 
 def _check_state_indices(name, state_indices, N) -> None:

@@ -1,6 +1,6 @@
 """Public chunked KDA: ``kdakit.chunk_kda``, a drop-in for ``fla.ops.kda.chunk_kda`` (FLA 0.6.0).
 
-Validates the arguments (SPEC §2), then runs the Triton kernels (CUDA tensors, or CPU
+Validates the arguments (docs/spec.md §2), then runs the Triton kernels (CUDA tensors, or CPU
 tensors under ``TRITON_INTERPRET=1`` with ``KDAKIT_BACKEND=triton``) or the chunked
 PyTorch reference (CPU tensors, or ``KDAKIT_BACKEND=torch``). See
 ``kdakit/ops/kda/backend.py`` for the selection rule; there is no silent fallback.

@@ -2,7 +2,7 @@
 (``KDAKIT_CHUNK_PIPELINE=chunk64``; the default is the windowed backward of ``chunk_bwd.py``).
 
 Status (``docs/perf_notes.md``): exact to fp32 round-off under the interpreter for every option. On the
-H200 at 1 x 8K, H = HV = 96, bf16, SPEC §3 flags, with the gradients in one fused kernel (2485f0a):
+H200 at 1 x 8K, H = HV = 96, bf16, docs/spec.md §3 flags, with the gradients in one fused kernel (2485f0a):
 forward+backward 40.9 ms (the windowed backward then: 41.5 ms; FLA 0.6.0: 13.3 ms), prep 7.3, serial
 passes 1.55, gradients 26.9 ms, the prep and gradient kernels holding too many ``[64, 128]`` fp32 tiles at
 once (ptxas: 255 registers, 3 KB and 20 KB of spill code). The gradients are now split in two kernels

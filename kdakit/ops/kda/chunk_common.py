@@ -10,7 +10,7 @@ the kernels compute in fp32 anyway). Notation used in the shape comments:
 * ``BKS`` a slice of the key channels (EXACT pairwise path);
 * ``BV`` a block of value channels (any power of two >= 16; nothing here assumes BV == V).
 
-Chunk math (SPEC §2, design note): ``G = cumsum(a)`` over the chunk rows,
+Chunk math (docs/spec.md §2.9, design note): ``G = cumsum(a)`` over the chunk rows,
 ``E[i, j, c] = exp(G[i, c] - G[j, c])`` for ``j <= i``. Two ways to form the pairwise sums
 ``A[i, j] = sum_c x_i[c] y_j[c] E[i, j, c]``:
 

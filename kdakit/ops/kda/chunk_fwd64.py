@@ -25,7 +25,7 @@ fp32 scratch ``[chunks, HV, C, C]`` (the bytes of one more ``[B, T, HV, K]`` bf1
 exp(g_C) fp32 ``[chunks, HV, K]``: 1.15 KB per token and value head at K = V = 128 in bf16, which the
 backward's dq, dk, dv, dg (same sizes) reuse. Saves nothing for the backward (it recomputes).
 
-Measured (H200, 1 x 8K H96, SPEC §3 flags, ``benchmarks/dev_intra64.py`` and ``dev_chunk_gpu.py``; results in
+Measured (H200, 1 x 8K H96, docs/spec.md §3 flags, ``benchmarks/dev_intra64.py`` and ``dev_chunk_gpu.py``; results in
 ``benchmarks/results/chunk64_dev_h200.json``): state kernel 0.67 ms (5.3 us a step; the 16-token forward's
 state kernel takes 0.95 ms). The three intra stages fused in one kernel took 5.0 ms (the inverse 1.5 of it;
 FLA 0.6.0 does the same intra work in ~1.7 ms): at 255 registers one 8-warp program runs per SM and its

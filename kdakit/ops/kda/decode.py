@@ -22,7 +22,7 @@ Each step may carry several tokens per sequence: q ``[N, T, H, K]`` (T tokens ea
 ``cu_seqlens``, ``[1, total, H, K]`` packed. Rows used by different sequences must be
 distinct (``check_indices`` checks it); a sequence's own read and write rows may coincide.
 
-Numerics: the update is the recurrence of SPEC §2 in fp32. A bf16 pool is read once per
+Numerics: the update is the recurrence of docs/spec.md §2.1 in fp32. A bf16 pool is read once per
 call (bf16 -> fp32), each token's updated state is rounded to bf16 once (fp32 math,
 round-to-nearest-even, as if stored), the output ``o_t`` is computed from that rounded
 state, and the state is written back once per call (per token with per-token rows). So

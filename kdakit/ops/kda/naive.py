@@ -1,4 +1,4 @@
-"""The executable definition of KDA: SPEC §2's token-by-token recurrence, literally.
+"""The executable definition of KDA: docs/spec.md §2.1's token-by-token recurrence, literally.
 
 For each sequence, value head and token (state ``S`` is ``[K, V]``)::
 
@@ -38,7 +38,7 @@ def naive_recurrent_kda(
     state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token KDA with ``chunk_kda``'s arguments (SPEC §2). No validation; an unknown argument is
+    """Token-by-token KDA with ``chunk_kda``'s arguments (docs/spec.md §2.2). No validation; an unknown argument is
     a TypeError. ``safe_gate`` is accepted for signature parity and changes nothing: the definition is
     exact for any gate.
 

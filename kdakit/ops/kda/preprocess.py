@@ -1,6 +1,6 @@
 """Token-wise activations applied before the KDA recurrence, in PyTorch.
 
-These are the "in-kernel" transforms of SPEC §2, written once and shared by the
+These are the "in-kernel" transforms of docs/spec.md §2.3, written once and shared by the
 naive recurrence, the chunked reference and the tests:
 
 * ``l2norm(x) = x / sqrt(sum(x^2) + 1e-6)`` over the last dimension;
@@ -59,7 +59,7 @@ def kda_beta(beta: torch.Tensor, use_sigmoid: bool, allow_neg_eigval: bool) -> t
 
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """float64 when any floating input is float64, else float32 (SPEC §2: fp32 math)."""
+    """float64 when any floating input is float64, else float32 (docs/spec.md §2.7: fp32 math)."""
     for t in tensors:
         if t is not None and t.dtype == torch.float64:
             return torch.float64

@@ -1,7 +1,7 @@
 """Recurrent (token-by-token) KDA forward in Triton: the kernel, its launcher and the per-token
 Triton functions shared with the backward and the decode kernels.
 
-Per sequence, value head and token (SPEC §2; state ``S`` is ``[K, V]``, fp32)::
+Per sequence, value head and token (docs/spec.md §2.1; state ``S`` is ``[K, V]``, fp32)::
 
     S'  = Diag(exp(a_t)) S
     u_t = beta_t (v_t - S'^T k_t)
@@ -126,7 +126,7 @@ def softplus_fp32(x):
 @triton.jit
 def log_decay(g_raw, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound,
               K: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The per-channel log-decay ``a_t`` from the raw gate row ``g_raw`` [BK] (SPEC §2)."""
+    """The per-channel log-decay ``a_t`` from the raw gate row ``g_raw`` [BK] (docs/spec.md §2.3)."""
     if GATE == 0:
         a = g_raw
     else:

@@ -143,7 +143,7 @@ def validate_kda_inputs(
     cu_seqlens_cpu=None,
     engine_gate_shapes: bool = False,
 ) -> KDAShape:
-    """Check the full ``chunk_kda`` / ``fused_recurrent_kda`` contract (SPEC §2).
+    """Check the full ``chunk_kda`` / ``fused_recurrent_kda`` contract (docs/spec.md §2).
 
     ``cu_seqlens_cpu`` (FLA 0.6.0's argument): a CPU int32/int64 tensor holding the same offsets
     as ``cu_seqlens``. When given, its values are checked (start 0, non-decreasing, end at T) and
@@ -290,13 +290,32 @@ def check_state_pool(pool, state_indices, shape: KDAShape, *, state_v_first: boo
         raise ValueError(f"state_indices must be on the pool's device {pool.device}, got {state_indices.device}")
     if not check_values:
         return None
-    P = pool.shape[0]
-    host = state_indices.tolist()  # the one host read of the pool path
-    if host and (max(host) >= P or min(host) < -1):
-        raise ValueError(f"state_indices must lie in [-1, {P - 1}] for a pool of {P} rows, got {host}")
+    return check_pool_rows("state_indices", state_indices, pool.shape[0])  # the one host read of the pool path
+
+
+POOL_ROWS_RANGE_MESSAGE = "{name} must lie in [-1, {last}] for a pool of {P} rows, got {host}"
+
+
+def check_pool_rows(name: str, state_indices: torch.Tensor, P: int, *,
+                    range_message: str = POOL_ROWS_RANGE_MESSAGE) -> list[int]:
+    """The values of 1-D pool rows ``state_indices`` [N] for a pool of ``P`` rows, read to the host once.
+
+    Each must lie in ``[-1, P)`` (``-1`` a padded sequence), and the rows of different sequences
+    must be distinct. ``state_indices.tolist()`` is the one read: a device->host copy for CUDA
+    indices, so a caller skips this during a CUDA-graph capture (or with ``check_indices=False``)
+    and makes it before any pool row is read or written. Returns the host values.
+
+    ``range_message`` is the out-of-range error, a ``str.format`` template over ``name``, ``P``,
+    ``last`` (``P - 1``), ``host`` (all the values) and ``bad`` (the sorted distinct values out of
+    range): ``chunk_kda``'s by default; ``KDALayer`` names its own.
+    """
+    host = state_indices.tolist()
+    bad = sorted({r for r in host if not -1 <= r < P})
+    if bad:
+        raise ValueError(range_message.format(name=name, P=P, last=P - 1, host=host, bad=bad))
     owner = {}
     for n, r in enumerate(host):
         if r >= 0 and owner.setdefault(r, n) != n:
-            raise ValueError(f"state_indices rows must be distinct across sequences: row {r} is used by "
+            raise ValueError(f"{name} rows must be distinct across sequences: row {r} is used by "
                              f"sequences {owner[r]} and {n}")
     return host
