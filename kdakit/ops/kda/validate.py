@@ -307,7 +307,7 @@ def check_pool_rows(name: str, state_indices: torch.Tensor, P: int, *,
 
     ``range_message`` is the out-of-range error, a ``str.format`` template over ``name``, ``P``,
     ``last`` (``P - 1``), ``host`` (all the values) and ``bad`` (the sorted distinct values out of
-    range): ``chunk_kda``'s by default; ``KDALayer`` names its own.
+    range): ``chunk_kda``'s by default; ``KimiDeltaAttention`` names its own.
     """
     host = state_indices.tolist()
     bad = sorted({r for r in host if not -1 <= r < P})
