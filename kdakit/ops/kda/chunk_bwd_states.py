@@ -185,17 +185,16 @@ def chunk_kda_bwd_lean_states_kernel(
             store_matrix(c_ptr, dS, s_c_k, s_c_v, K, V, v0, BK, BV)
 
 
-def _intra(win, set_, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu, dq, dk, dv, dg, ws_aqk, ws_gc, ws_tinv,
+def _intra(win, set_, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu, dq, dk, dv, dg, ws_aqk, ws_gc,
            lower_bound, N, sub, consts, dummy):
-    """The forward's intra kernel on window ``win``: W, qΓ, kd, U into its gradient rows, Aqk, exp(g_C)
-    and the inverse into slot set ``set_``."""
+    """The forward's intra kernel on window ``win``: W, qΓ, kd, U into its gradient rows, Aqk and exp(g_C)
+    into slot set ``set_``."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = block_size(K)
     chunk_kda_fwd_intra_kernel[(N * sub, HV)](
         q, k, v, g, beta, A_log if consts["HAS_A"] else dummy, dt_bias if consts["HAS_BIAS"] else dummy,
-        dq, dk, dg, dv, ws_aqk[set_], ws_gc[set_], ws_tinv[set_], cu, cu, lower_bound, T, H, HV, triton.cdiv(T, CHUNK),
-        win,
+        dq, dk, dg, dv, ws_aqk[set_], ws_gc[set_], cu, cu, lower_bound, T, H, HV, triton.cdiv(T, CHUNK), win,
         K=K, V=V, C=CHUNK, BK=BK, BV=block_size(V), BKS=min(EXACT_KEY_SLICE, BK), GATE=consts["GATE"],
         HAS_A_LOG=consts["HAS_A"], HAS_BIAS=consts["HAS_BIAS"], USE_L2NORM=consts["L2NORM"],
         BETA_SIGMOID=consts["BETA_SIGMOID"], NEG_EIGVAL=consts["NEG_EIGVAL"], SAFE=consts["SAFE"],
@@ -206,7 +205,7 @@ def _intra(win, set_, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu, dq, d
 
 
 def run_lean_window_starts(seg, last_win, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, ckpt, ckpt_offsets,
-                           ws_win, ws_aqk, ws_gc, ws_tinv, dq, dk, dv, dg, lower_bound, N, sub, n_sub, consts, dummy):
+                           ws_win, ws_aqk, ws_gc, dq, dk, dv, dg, lower_bound, N, sub, n_sub, consts, dummy):
     """Stage 1 of segment ``seg`` (HV == H): the intermediates of its windows before ``last_win`` (the
     segment's last window that any sequence has; its own are made in its stage 2), then the walk that
     stores the window start states."""
@@ -218,8 +217,7 @@ def run_lean_window_starts(seg, last_win, *, q, k, v, g, beta, A_log, dt_bias, c
         if win % n_sub == n_sub - 1:
             break  # the segment's last window makes its own intermediates in stage 2
         _intra(win, win % n_sub, q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
-               cu=cu, dq=dq, dk=dk, dv=dv, dg=dg, ws_aqk=ws_aqk, ws_gc=ws_gc, ws_tinv=ws_tinv,
-               lower_bound=lower_bound, N=N, sub=sub,
+               cu=cu, dq=dq, dk=dk, dv=dv, dg=dg, ws_aqk=ws_aqk, ws_gc=ws_gc, lower_bound=lower_bound, N=N, sub=sub,
                consts=consts, dummy=dummy)
     BK = block_size(K)
     BV = min(LEAN_BLOCK_V, block_size(V))
@@ -232,7 +230,7 @@ def run_lean_window_starts(seg, last_win, *, q, k, v, g, beta, A_log, dt_bias, c
 
 
 def run_lean_window_states(win, *, q, k, v, g, beta, do, A_log, dt_bias, cu_seqlens, ckpt, ckpt_offsets,
-                           ws_win, ws_s, ws_ds, ws_aqk, ws_gc, ws_tinv, carry, dq, dk, dv, dg, scale, lower_bound,
+                           ws_win, ws_s, ws_ds, ws_aqk, ws_gc, carry, dq, dk, dv, dg, scale, lower_bound,
                            state_v_first, N, sub, n_sub, consts, stage_dtype):
     """Stage 2 of window ``win`` (HV == H): the intra kernel into the window's gradient rows (unless stage
     1 made them: every window of a segment but its last), then the walk."""
@@ -243,8 +241,7 @@ def run_lean_window_states(win, *, q, k, v, g, beta, do, A_log, dt_bias, cu_seql
     cu = cu_seqlens if cu_seqlens is not None else ckpt_offsets
     if win % n_sub == n_sub - 1:
         _intra(win, win % n_sub, q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
-               cu=cu, dq=dq, dk=dk, dv=dv, dg=dg, ws_aqk=ws_aqk, ws_gc=ws_gc, ws_tinv=ws_tinv,
-               lower_bound=lower_bound, N=N, sub=sub,
+               cu=cu, dq=dq, dk=dk, dv=dv, dg=dg, ws_aqk=ws_aqk, ws_gc=ws_gc, lower_bound=lower_bound, N=N, sub=sub,
                consts=consts, dummy=dummy)
     BK = block_size(K)
     BV = min(LEAN_BLOCK_V, block_size(V))

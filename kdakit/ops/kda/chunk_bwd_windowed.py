@@ -58,7 +58,7 @@ from kdakit.ops.kda.chunk_bwd_common import (
     state_step,
     state_strides,
 )
-from kdakit.ops.kda.chunk_bwd_states import _slot, run_lean_window_starts, run_lean_window_states
+from kdakit.ops.kda.chunk_bwd_states import run_lean_window_starts, run_lean_window_states
 from kdakit.ops.kda.plan import lean_workspace_allocations, uses_lean_states
 from kdakit.ops.kda.chunk_common import (
     beta_activation,
@@ -252,21 +252,12 @@ def chunk_kda_bwd_window_states_kernel(
 
 @triton.jit
 def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, bias_ptr, do_base,
-                       dv_base, dg_base, db_base, w_base, aqk_base, tinv_base, t0, n_rows, s_qk, s_v, s_g, s_b, K, V,
-                       scale, expA, lower_bound,
+                       dv_base, dg_base, db_base, t0, n_rows, s_qk, s_v, s_g, s_b, K, V, scale, expA, lower_bound,
                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
                        BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
-                       DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, GRAD_OP: tl.constexpr, INV_DOUBLING: tl.constexpr,
-                       FROM_ROWS: tl.constexpr):
+                       DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, GRAD_OP: tl.constexpr, INV_DOUBLING: tl.constexpr):
     """The gradients of ``chunk_grads`` (not dS_prev) with S and dS read in value blocks of BV.
-
-    FROM_ROWS (HV == H, after ``chunk_bwd_states``' stage 2): the chunk's forward intermediates are
-    read, not re-derived: W from its rows of dq (``w_base``, stride s_qk), U = Tinv beta v from its
-    rows of dv (``dv_base``: each value block is read before this program stores dv there), Aqk and
-    the inverse from their window slots (``aqk_base`` / ``tinv_base``: the slot less t0 rows). Akk is
-    still formed here (its rounded operands are the pairwise backward's). Otherwise every
-    intermediate is re-derived from the inputs (GVA: the rows hold H heads, the intermediates HV).
 
     S and dS are K-major ``[K, V]`` slots at s_base / ds_base. Only ``[BK, BV]`` pieces of them and
     ``[C, BV]`` value tiles are live at a time; everything that sums over V (dAqk, dqΓ, dW, dkd,
@@ -305,23 +296,17 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
         qr = grad_operand(q * eg, GRAD_OP)
         kr = grad_operand(k * eg, GRAD_OP)
         ki = grad_operand(k * egi, GRAD_OP)
-        if not FROM_ROWS:
-            Aqk = tl.where(causal_mask(C, True), tl.dot(qr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
+        Aqk = tl.where(causal_mask(C, True), tl.dot(qr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
         Akk = tl.where(causal_mask(C, False), tl.dot(kr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
     else:
         Aqk, Akk = exact_qk_kk(q, k, G, C)
-    X = b[:, None] * k * Gam  # [C, BK]
-    if FROM_ROWS:
-        Aqk = load_rows(aqk_base, t0, n_rows, C, 0, C, C, C)  # [C, C]
-        Tinv = load_rows(tinv_base, t0, n_rows, C, 0, C, C, C)
-        W = load_rows(w_base, t0, n_rows, s_qk, 0, K, C, BK)  # [C, BK]
+    if INV_DOUBLING:
+        Tinv = unit_lower_inverse_doubling(b[:, None] * Akk, C)  # [C, C]
     else:
-        if INV_DOUBLING:
-            Tinv = unit_lower_inverse_doubling(b[:, None] * Akk, C)  # [C, C]
-        else:
-            Tinv = unit_lower_inverse(b[:, None] * Akk, C)
-        W = tl.dot(Tinv, X, input_precision=DOT_PREC)  # [C, BK]
+        Tinv = unit_lower_inverse(b[:, None] * Akk, C)
     TinvT = tl.trans(Tinv)
+    X = b[:, None] * k * Gam  # [C, BK]
+    W = tl.dot(Tinv, X, input_precision=DOT_PREC)  # [C, BK]
 
     # ---- the value dimension, one block at a time
     dAqk = tl.zeros([C, C], dtype=tl.float32)
@@ -338,10 +323,7 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
         S = load_matrix(s_base, V, 1, K, V, v0, BK, BV)  # [BK, BV]
         dS = load_matrix(ds_base, V, 1, K, V, v0, BK, BV)
         Y = b[:, None] * vt
-        if FROM_ROWS:
-            Vp = load_rows(dv_base, t0, n_rows, s_v, v0, V, C, BV) - tl.dot(W, S, input_precision=DOT_PREC)
-        else:
-            Vp = tl.dot(Tinv, Y, input_precision=DOT_PREC) - tl.dot(W, S, input_precision=DOT_PREC)  # [C, BV]
+        Vp = tl.dot(Tinv, Y, input_precision=DOT_PREC) - tl.dot(W, S, input_precision=DOT_PREC)  # [C, BV]
         dVp = tl.dot(tl.trans(Aqk), sdo, input_precision=DOT_PREC) + tl.dot(kd, dS, input_precision=DOT_PREC)
         dAqk += tl.dot(sdo, tl.trans(Vp), input_precision=DOT_PREC)
         dqG += tl.dot(grad_operand(sdo, GRAD_OP), tl.trans(grad_operand(S, GRAD_OP)), input_precision=GRAD_PREC)
@@ -406,20 +388,17 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
 
 @triton.jit
 def chunk_kda_bwd_window_grads_kernel(
-    q, k, v, g, beta, do, cu_seqlens, A_log, dt_bias, ws_s, ws_ds, ws_aqk, ws_tinv,
+    q, k, v, g, beta, do, cu_seqlens, A_log, dt_bias, ws_s, ws_ds,
     dq, dk, dv, dg, dbeta, dA_part, ddt_part,
-    win, N, scale, lower_bound, T, H, HV, K, V,
+    win, scale, lower_bound, T, H, HV, K, V,
     GROUP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SUB_CHUNKS: tl.constexpr,
-    N_SUB: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, GRAD_OP: tl.constexpr, INV_DOUBLING: tl.constexpr,
-    FROM_ROWS: tl.constexpr,
 ):
     """Stage 3, grid (N*H, SUB_CHUNKS) for window ``win``: every gradient of one chunk, for the
     GROUP value heads of one q/k head (dq, dk summed over them in registers, stored once), from
     S_c and dS_{c+1} of stage 2. Parameter partials accumulate into their (item, chunk slot).
-    FROM_ROWS (GROUP == 1): the chunk's intermediates from stage 2's rows and slots (``_chunk_grads_vloop``).
     """
     i_nh = tl.program_id(0)
     j = tl.program_id(1)
@@ -447,14 +426,12 @@ def chunk_kda_bwd_window_grads_kernel(
             slot = (item * SUB_CHUNKS + j) * KV
             vo = bos * (HV * V) + hv * V
             go = bos * (HV * K) + hv * K
-            # Window slot of the chunk's Aqk and inverse, less t0 rows (read only when FROM_ROWS).
-            cc = (_slot(c, n, N, SUB_CHUNKS, N_SUB) * HV + hv) * (C * C) - t0.to(tl.int64) * C
             dA_t, ddt_t, dq_t, dk_t = _chunk_grads_vloop(
                 ws_s + slot, ws_ds + slot, q_b, k_b, v + vo, g + go, beta + bos * HV + hv, dt_bias + hv * K,
-                do + vo, dv + vo, dg + go, dbeta + bos * HV + hv, dq + bos * (H * K) + h * K, ws_aqk + cc,
-                ws_tinv + cc, t0, n_rows, H * K, HV * V, HV * K, HV, K, V, scale, expA, lower_bound,
+                do + vo, dv + vo, dg + go, dbeta + bos * HV + hv, t0, n_rows,
+                H * K, HV * V, HV * K, HV, K, V, scale, expA, lower_bound,
                 C, BK, BV, GATE, HAS_BIAS, L2NORM, BETA_SIGMOID, NEG_EIGVAL, SAFE, DOT_PREC, GRAD_PREC, GRAD_OP,
-                INV_DOUBLING, FROM_ROWS)
+                INV_DOUBLING)
             dq_acc += dq_t
             dk_acc += dk_t
             if HAS_A:
@@ -480,10 +457,6 @@ GRADS_BLOCK_V = 32
 GRADS_NUM_WARPS = 4
 GRADS_NUM_STAGES = 1
 STATE_NUM_WARPS = 4  # the sequential stages (one [K, BV] state tile, BV = state_block_v)
-# Stage 3 reads the window's intermediates when stage 2 made them (HV == H). False re-derives them as
-# GVA does: a development switch (benchmarks/dev_stage3.py times both; the workspace holds the slots
-# either way).
-STAGE3_FROM_ROWS = True
 # Tuning overrides of the sequential stages' value block (None: state_block_v's one-wave rule);
 # benchmarks/tune_windowed.py sweeps them with the constants above.
 STARTS_BLOCK_V: int | None = None
@@ -534,7 +507,7 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
     ws_ds = torch.empty(items, sub, K, V, dtype=stage_dtype, device=dev)
     lean = uses_lean_states(H, HV)
     if lean:
-        ws_aqk, ws_gc, ws_tinv = (torch.empty(shape, dtype=dt, device=dev)
+        ws_aqk, ws_gc = (torch.empty(shape, dtype=dt, device=dev)
                          for _, shape, dt in lean_workspace_allocations(N, HV, K, sub, n_sub, q.dtype))
 
     max_len = max(plan.seqlens, default=0) if cu_seqlens is not None else T
@@ -557,9 +530,8 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
         if n_sub > 1 and win == min(n_win - 1, seg * n_sub + n_sub - 1) and lean:
             run_lean_window_starts(
                 seg, win, q=q, k=k, v=v, g=g, beta=beta, A_log=a_ptr, dt_bias=b_ptr, cu_seqlens=cu_seqlens,
-                ckpt=checkpoints, ckpt_offsets=ckpt_offsets, ws_win=ws_win, ws_aqk=ws_aqk, ws_gc=ws_gc,
-                ws_tinv=ws_tinv, dq=dq, dk=dk, dv=dv, dg=dg, lower_bound=lower_bound, N=N, sub=sub, n_sub=n_sub,
-                consts=consts, dummy=dummy)
+                ckpt=checkpoints, ckpt_offsets=ckpt_offsets, ws_win=ws_win, ws_aqk=ws_aqk, ws_gc=ws_gc, dq=dq, dk=dk,
+                dv=dv, dg=dg, lower_bound=lower_bound, N=N, sub=sub, n_sub=n_sub, consts=consts, dummy=dummy)
         elif n_sub > 1 and win == min(n_win - 1, seg * n_sub + n_sub - 1):
             LAST_LAUNCH["window_starts"] = chunk_kda_bwd_window_starts_kernel[(items, triton.cdiv(V, BV1))](
                 k, v, g, beta, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr, ws_win,
@@ -570,8 +542,8 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
             run_lean_window_states(
                 win, q=q, k=k, v=v, g=g, beta=beta, do=do, A_log=a_ptr, dt_bias=b_ptr, cu_seqlens=cu_seqlens,
                 ckpt=checkpoints, ckpt_offsets=ckpt_offsets, ws_win=ws_win, ws_s=ws_s, ws_ds=ws_ds, ws_aqk=ws_aqk,
-                ws_gc=ws_gc, ws_tinv=ws_tinv, carry=carry, dq=dq, dk=dk, dv=dv, dg=dg, scale=scale,
-                lower_bound=lower_bound, state_v_first=state_v_first, N=N, sub=sub, n_sub=n_sub, consts=consts, stage_dtype=stage_dtype)
+                ws_gc=ws_gc, carry=carry, dq=dq, dk=dk, dv=dv, dg=dg, scale=scale, lower_bound=lower_bound,
+                state_v_first=state_v_first, N=N, sub=sub, n_sub=n_sub, consts=consts, stage_dtype=stage_dtype)
         else:
             LAST_LAUNCH["window_states"] = chunk_kda_bwd_window_states_kernel[(items, triton.cdiv(V, BV2), 2)](
                 q, k, v, g, beta, do, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr,
@@ -581,15 +553,15 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
                 GRAD_OP=grad_op, ROUND_STAGE=interpreting() and stage_dtype == torch.bfloat16,
                 num_warps=STATE_NUM_WARPS, num_stages=1)
         LAST_LAUNCH["window_grads"] = chunk_kda_bwd_window_grads_kernel[(N * H, sub)](
-            q, k, v, g, beta, do, cu, a_ptr, b_ptr, ws_s, ws_ds, ws_aqk if lean else dummy,
-            ws_tinv if lean else dummy, dq, dk, dv, dg, dbeta, dA_part if dA_part is not None else dummy,
+            q, k, v, g, beta, do, cu, a_ptr, b_ptr, ws_s, ws_ds,
+            dq, dk, dv, dg, dbeta, dA_part if dA_part is not None else dummy,
             ddt_part if ddt_part is not None else dummy,
-            win, N, scale, lower_bound, T, H, HV, K, V,
-            C=C, BK=BK, BV=BVG, SUB_CHUNKS=sub, N_SUB=n_sub, GROUP=HV // H, **seq, GRAD_PREC=grad_prec,
-            GRAD_OP=grad_op, FROM_ROWS=lean and STAGE3_FROM_ROWS, num_warps=GRADS_NUM_WARPS, num_stages=GRADS_NUM_STAGES)
+            win, scale, lower_bound, T, H, HV, K, V,
+            C=C, BK=BK, BV=BVG, SUB_CHUNKS=sub, GROUP=HV // H, **seq, GRAD_PREC=grad_prec, GRAD_OP=grad_op,
+            num_warps=GRADS_NUM_WARPS, num_stages=GRADS_NUM_STAGES)
     del ws_win, ws_s, ws_ds, carry
     if lean:
-        del ws_aqk, ws_gc, ws_tinv
+        del ws_aqk, ws_gc
     return dq, dk, dv, dg, dbeta, dA_part, ddt_part, dh0
 
 

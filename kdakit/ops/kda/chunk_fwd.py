@@ -113,7 +113,7 @@ def state_num_warps(BK: int, BV: int) -> int:
 
 @triton.jit
 def chunk_kda_fwd_intra_kernel(
-    q, k, v, g, beta, A_log, dt_bias, w, qg, kd, uo, aqk, gc, tinv, cu_seqlens, chunk_table,
+    q, k, v, g, beta, A_log, dt_bias, w, qg, kd, uo, aqk, gc, cu_seqlens, chunk_table,
     lower_bound, T, H, HV, NTS, win,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BKS: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -125,9 +125,8 @@ def chunk_kda_fwd_intra_kernel(
 
     WINDOW (the backward, ``chunk_bwd_states``): grid (N * SUB, HV), program (n * SUB + j) takes chunk
     ``win * SUB + j`` of sequence n (all its stores masked when the sequence has no such chunk); W, qΓ,
-    kd, U go to token rows as in the forward, Aqk to slot ``[n * SUB + j, hv]`` of ``[N * SUB, HV, C, C]``,
-    the inverse (I + beta Akk)^-1 to the same slot of ``tinv`` (fp32; stage 3 reads it instead of
-    re-deriving it) and exp(g_C) to row n * SUB + j of gc. ``tinv`` is not read otherwise.
+    kd, U go to token rows as in the forward, Aqk to slot ``[n * SUB + j, hv]`` of ``[N * SUB, HV, C, C]``
+    and exp(g_C) to row n * SUB + j of gc.
     """
     i_t = tl.program_id(0).to(tl.int64)  # global chunk index (WINDOW: the window slot): the row of gc
     i_hv = tl.program_id(1)
@@ -212,7 +211,6 @@ def chunk_kda_fwd_intra_kernel(
         # The slot's base less t0 rows, so store_rows' row t0 is the slot's row 0 and its mask the sequence's.
         store_rows(aqk + (i_t * HV + i_hv) * (C * C) - t0.to(tl.int64) * C, round_to_bf16_if(Aqk, EMULATE_BF16),
                    t0, seq_len, C, 0, C, C, C)
-        store_rows(tinv + (i_t * HV + i_hv) * (C * C) - t0.to(tl.int64) * C, Tinv, t0, seq_len, C, 0, C, C, C)
     else:
         store_rows(aqk + (bos * HV + i_hv) * C, round_to_bf16_if(Aqk, EMULATE_BF16), t0, seq_len, HV * C, 0, C,
                    C, C)
@@ -375,7 +373,7 @@ def chunk_kda_fwd_intra(
     if NT * HV == 0:
         return w, qg, kd, aqk, gc, table
     chunk_kda_fwd_intra_kernel[(NT, HV)](
-        q, k, v, g, beta, A_log, dt_bias, w, qg, kd, o, aqk, gc, gc, cu_seqlens, pairs,
+        q, k, v, g, beta, A_log, dt_bias, w, qg, kd, o, aqk, gc, cu_seqlens, pairs,
         float(lower_bound) if lower_bound is not None else 0.0, T, H, HV, triton.cdiv(T, C), 0,
         K=K, V=V, C=C, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), GATE=gate_mode(use_gate_in_kernel, lower_bound),
         HAS_A_LOG=A_log is not None and use_gate_in_kernel,

@@ -527,12 +527,10 @@ def uses_lean_states(H: int, HV: int) -> bool:
 
 
 def lean_workspace_allocations(N: int, HV: int, K: int, sub: int, n_sub: int, dtype: torch.dtype) -> list:
-    """``(name, shape, dtype)`` of the windows' Aqk, exp(g_C) and (I + beta Akk)^-1 slots (allocated after
-    ws_ds): one set per window of a checkpoint segment (``n_sub`` of them), ``sub`` chunks of every
-    sequence each. The inverse is fp32: stage 3's dv, dbeta and dAkk products take it as an operand."""
+    """``(name, shape, dtype)`` of the windows' Aqk and exp(g_C) slots (allocated after ws_ds): one set per
+    window of a checkpoint segment (``n_sub`` of them), ``sub`` chunks of every sequence each."""
     return [("bwd_window_aqk", (n_sub, N * sub, HV, CHUNK_SIZE, CHUNK_SIZE), dtype),
-            ("bwd_window_decay", (n_sub, N * sub, HV, K), torch.float32),
-            ("bwd_window_inverse", (n_sub, N * sub, HV, CHUNK_SIZE, CHUNK_SIZE), torch.float32)]
+            ("bwd_window_decay", (n_sub, N * sub, HV, K), torch.float32)]
 
 
 def backward_workspace_allocations(N: int, HV: int, K: int, V: int, T_max: int, L: int, seqlens=None,
@@ -548,7 +546,7 @@ def backward_workspace_allocations(N: int, HV: int, K: int, V: int, T_max: int, 
     dh0 itself when there is an initial state (a gradient output, not listed). Allocated after the
     gradient outputs and freed before the parameter sums; dq and dk need no GVA partials. H (default
     HV) decides whether stage 2 runs from the window's intermediates (``uses_lean_states``), which adds
-    the per-window Aqk, exp(g_C) and inverse slots.
+    the per-window Aqk and exp(g_C) slots.
     """
     C = CHUNK_SIZE
     L2 = math.gcd(DEFAULT_RECOMPUTE_TOKENS, L) if recompute_every_n_tokens is None else int(recompute_every_n_tokens)
