@@ -84,6 +84,7 @@ from kdakit.nn.short_conv import ShortConvolution
 from kdakit.ops.kda.chunk import chunk_kda
 from kdakit.ops.kda.decode import kda_decode
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
+from kdakit.ops.kda.state_pool import padded_row_writes
 from kdakit.ops.kda.validate import check_pool_rows
 from kdakit.ops.kda.workspace import check_capturable_offsets, is_capturing
 
@@ -706,18 +707,11 @@ def _scatter_conv_rows(pool, new, rows) -> None:
     """``new[n]`` into pool row ``rows[n]`` in place for the entries in ``[0, P)``; others write nothing.
 
     One ``index_copy_`` of all N rows, so the write's size is the call's N, not the number of valid
-    entries (a device value). A padded entry writes the row and value that the first valid entry
-    writes (identical bytes, so the order of the duplicate writes does not matter), or row 0's own
-    value back when none is valid, as ``kdakit/ops/kda/state_pool.py`` does for the recurrent pool."""
+    entries (a device value): ``padded_row_writes``, as the recurrent pool's scatter."""
     if pool.shape[0] == 0 or rows.numel() == 0:
         return  # nothing can be written
     valid = (rows >= 0) & (rows < pool.shape[0])
-    first = torch.argmax(valid.to(torch.int32))  # first valid entry, 0 if none (argmax: first maximum)
-    any_valid = valid[first]
-    sink_row = torch.where(any_valid, rows[first], torch.zeros_like(rows[first]))
-    sink_value = torch.where(any_valid, new[first], pool[0])  # a new tensor: read before the write below
-    dest = torch.where(valid, rows, sink_row)
-    values = torch.where(valid[:, None, None], new, sink_value)
+    dest, values = padded_row_writes(pool, new, rows, valid)
     pool.index_copy_(0, dest, values)
 
 

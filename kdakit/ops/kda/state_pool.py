@@ -48,14 +48,28 @@ def zero_padded_outputs(o, valid, host, offsets):
     return torch.where(keep, o, torch.zeros((), dtype=o.dtype, device=o.device))
 
 
+def padded_row_writes(pool, values, rows, valid):
+    """``(dest [N], values [N, ...])``: a write of all N entries into ``pool`` in which the entries
+    that are not ``valid`` change nothing.
+
+    Leaving them out would make the write's size data-dependent. So an invalid entry writes the row
+    and value that the first valid entry writes (identical bytes, so the order of the duplicate writes
+    does not matter), or row 0's own value back when none is valid. The first valid entry is picked
+    with ``index_select`` on a ``[1]`` index: indexing with a 0-d device tensor reads it on the host,
+    which a CUDA graph capture refuses. ``values`` has the pool's dtype; the result is a new tensor
+    (pool row 0 is read before the write)."""
+    first = torch.argmax(valid.to(torch.int32)).view(1)  # first valid entry, 0 if none (argmax: first maximum)
+    any_valid = valid.index_select(0, first)  # [1]
+    sink_row = torch.where(any_valid, rows.index_select(0, first), torch.zeros_like(any_valid, dtype=rows.dtype))
+    ones = (1,) * (values.dim() - 1)
+    sink_value = torch.where(any_valid.view(1, *ones), values.index_select(0, first), pool[:1])  # [1, ...]
+    return torch.where(valid, rows, sink_row), torch.where(valid.view(-1, *ones), values, sink_value)
+
+
 @torch.no_grad()
 def scatter_pool_rows(pool, final, state_indices, valid, host) -> None:
-    """Final states into their pool rows in place; padded sequences write nothing.
-
-    Without the host copy the padded positions are unknown on the host, and leaving them out
-    would make the write's size data-dependent. So every sequence writes, and a padded one
-    writes the row and value that the first valid sequence writes (identical bytes, so the order
-    of the duplicate writes does not matter), or row 0's own value back when all are padded."""
+    """Final states into their pool rows in place; padded sequences write nothing (``padded_row_writes``
+    unless the host copy of the indices shows no padded sequence)."""
     idx = state_indices.long()
     final = final.detach().to(pool.dtype)
     if _none_padded(host):
@@ -63,12 +77,5 @@ def scatter_pool_rows(pool, final, state_indices, valid, host) -> None:
         return
     if pool.shape[0] == 0 or idx.numel() == 0:
         return  # no row to write (checked indices into an empty pool are all -1)
-    # first valid sequence, 0 if none (argmax: first maximum). Selected with index_select on a [1]
-    # index: indexing with a 0-d device tensor reads it on the host, which a CUDA graph capture refuses.
-    first = torch.argmax(valid.to(torch.int32)).view(1)
-    any_valid = valid.index_select(0, first)  # [1]
-    sink_row = torch.where(any_valid, idx.index_select(0, first), torch.zeros_like(any_valid, dtype=idx.dtype))
-    sink_value = torch.where(any_valid.view(1, 1, 1, 1), final.index_select(0, first), pool[:1])  # [1, ...]
-    rows = torch.where(valid, idx, sink_row)
-    values = torch.where(valid[:, None, None, None], final, sink_value)
+    rows, values = padded_row_writes(pool, final, idx, valid)
     pool[rows] = values
