@@ -50,8 +50,7 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # FLA's native Trito
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kdakit.ops.kda.decode import (  # noqa: E402
-    DECODE_BLOCK_V,
-    DECODE_NUM_WARPS,
+    decode_launch_config,
     kda_decode,
     kda_decode_reference,
     launch_kda_decode,
@@ -70,7 +69,7 @@ TARGET_SPEEDUP_VS_FLA = 1.3
 DECODE_GATE_RATIO = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 TRAIN_GATE_RATIO = 2e-2  # bf16 inputs and gradients vs float64 (or vs the chunked path)
 DECODE_N = (64, 256, 1024, 4096)
-# The launch-config grid of --sweep: decode.py's DECODE_BLOCK_V / DECODE_NUM_WARPS and their neighbours.
+# The launch-config grid of --sweep: around decode.py's decode_launch_config choices (16 x 1, 64 x 2 warps).
 SWEEP_BLOCK_V = (8, 16, 32, 64)
 SWEEP_NUM_WARPS = (1, 2, 4, 8)
 SWEEP_WARMUP = 5
@@ -297,7 +296,7 @@ class SweepPlan:
 
 def _launch_fn(t, opts, pool, idx, out, block_v, num_warps):
     """kda_decode's kernel at one launch config: kda_decode's own launcher (``kda_decode`` itself always
-    launches decode.py's DECODE_BLOCK_V / DECODE_NUM_WARPS), without kda_decode's validation."""
+    launches decode.py's ``decode_launch_config``), without kda_decode's validation."""
     N, K = t["q"].shape[0], t["q"].shape[3]
     A_log, dt_bias = flat_gate_params(t["A_log"], t["dt_bias"])
 
@@ -333,10 +332,12 @@ def sweep_decode(t, opts, pool, idx, ref_o, ref_pool, copy_GBps: float, plan: Sw
     state_bytes = 2 * pool.numel() * pool.element_size()
     start = time.monotonic()
     rows = []
+    N, HV, V = t["v"].shape[0], t["v"].shape[2], t["v"].shape[3]
+    default = decode_launch_config(N, t["v"].shape[1], HV, V)
     try:
-        for block_v, num_warps in sweep_configs(t["v"].shape[3]):
+        for block_v, num_warps in sweep_configs(V):
             row = {"block_v": block_v, "num_warps": num_warps,
-                   "default": (block_v, num_warps) == (DECODE_BLOCK_V, DECODE_NUM_WARPS)}
+                   "default": (block_v, num_warps) == default}
             rows.append(row)
             if time.monotonic() - start >= plan.left_s:
                 row["skipped"] = "the sweep's time budget (--sweep-budget-s) is spent"
@@ -599,7 +600,7 @@ def summary_lines(results: dict) -> list[str]:
             lines.append(f"sweep pick {dtype}: block_v={pick['block_v']} num_warps={pick['num_warps']} "
                          f"(geomean {pick['geomean_slowdown_vs_cell_best']:.3f}x, worst "
                          f"{pick['worst_slowdown_vs_cell_best']:.3f}x of each cell's fastest; "
-                         f"default block_v={DECODE_BLOCK_V} num_warps={DECODE_NUM_WARPS})")
+                         f"kdakit's default: decode_launch_config)")
     return lines
 
 
@@ -618,7 +619,7 @@ def main(argv=None) -> int:
     results = {"benchmark": "recurrent KDA: decode state bandwidth and recurrent fwd+bwd",
                "env": environment(), "target_fraction_of_copy": TARGET_FRACTION,
                "target_speedup_vs_fla": TARGET_SPEEDUP_VS_FLA,
-               "default_launch_config": {"block_v": DECODE_BLOCK_V, "num_warps": DECODE_NUM_WARPS}}
+               "default_launch_config": "decode.py's decode_launch_config (per cell: the sweep rows' default)"}
     sweep = None
     if args.sweep:
         sweep = SweepPlan(iters=args.sweep_iters, left_s=args.sweep_budget_s)

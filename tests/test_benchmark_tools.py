@@ -520,8 +520,8 @@ def test_bench_recurrent_sweep_gates_each_config_on_the_cpu_kernel(monkeypatch):
     assert [(r["block_v"], r["num_warps"]) for r in rows] == br.sweep_configs(V)
     assert all("graph_ms" in r and len(r["gate"]) == 2 for r in rows), rows
     assert replays == [(br.SWEEP_WARMUP, 4)] * len(rows)
-    assert [r["default"] for r in rows] == [(r["block_v"], r["num_warps"]) == (br.DECODE_BLOCK_V,
-                                                                               br.DECODE_NUM_WARPS) for r in rows]
+    default = br.decode_launch_config(N, 1, H, V)
+    assert [r["default"] for r in rows] == [(r["block_v"], r["num_warps"]) == default for r in rows]
     best = br.best_config(rows)
     assert (best["block_v"], best["num_warps"]) == (16, 2) and plan.left_s < 1e9
     assert rows[5]["fraction_of_copy"] == pytest.approx(2 * pool.numel() * 2 / 0.5 / 1e6)

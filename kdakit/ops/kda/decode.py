@@ -68,11 +68,28 @@ from kdakit.ops.kda.workspace import (
 # Configuration
 # ---------------------------------------------------------------------------------------------
 
-# A [16, K] tile per one-warp program. Measured on the H200 (N=64/256, H=32, K=V=128, one token,
-# CUDA-graph replay) against a 4.28 TB/s device copy: fp32 state 86% / 92%, bf16 state 69% / 78%;
-# 4 warps gave 85% / 91% (fp32) but 53% / 57% (bf16), wider tiles no better.
+# Launch configs of the pool kernel (``decode_launch_config``). Swept on the H200 (2026-12-01,
+# benchmarks/results/recurrent_sweep_h200.json: HV=32, K=V=128, one token, CUDA-graph replay, fraction of
+# a 4.27 TB/s device copy, block_v 8-64 x 1-8 warps): at N=64 a [16, K] tile per one-warp program is the
+# fastest (fp32 0.81, bf16 0.69); from N=256 on, [64, K] tiles on two warps are (fp32 0.86-0.89 vs
+# 0.84 for the small tile, bf16 0.74-0.79 vs 0.72). The rule: the wide tile once its grid has
+# WIDE_DECODE_MIN_PROGRAMS programs (N=256 at HV=32 gives 16384), for one-token steps only (longer
+# steps were not swept).
 DECODE_BLOCK_V = 16
 DECODE_NUM_WARPS = 1
+WIDE_DECODE_BLOCK_V = 64
+WIDE_DECODE_NUM_WARPS = 2
+WIDE_DECODE_MIN_PROGRAMS = 16384
+
+
+def decode_launch_config(N: int, tokens: float, HV: int, V: int) -> tuple[int, int]:
+    """``(block_v, num_warps)`` of the pool kernel for N sequences of ``tokens`` tokens each on average
+    (packed: the total over N), HV value heads of V. A performance choice: the warp count changes the
+    order of the key reductions, so outputs differ between configs in their last bits (the sweep gated
+    every config against the reference within the same limits)."""
+    if tokens == 1 and N * HV * triton.cdiv(V, WIDE_DECODE_BLOCK_V) >= WIDE_DECODE_MIN_PROGRAMS:
+        return WIDE_DECODE_BLOCK_V, WIDE_DECODE_NUM_WARPS
+    return DECODE_BLOCK_V, DECODE_NUM_WARPS
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -181,8 +198,9 @@ def _pool_recurrent_kernel(
 def launch_pool_recurrent(q, k, v, g, beta, o, *, h0, ht, state_indices, num_accepted_tokens, write, round_state,
                           state_v_first, A_log, dt_bias, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                           use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, cu_seqlens, N,
-                          block_v: int = DECODE_BLOCK_V, num_warps: int = DECODE_NUM_WARPS) -> None:
+                          block_v: int | None = None, num_warps: int | None = None) -> None:
     """Launch the pool kernel: states read from row(s) of ``h0`` and written to ``ht`` as ``write`` says.
+    ``block_v`` / ``num_warps`` (None: ``decode_launch_config``'s) are for benchmarks' sweeps.
 
     ``h0``/``ht`` rows are read through their row stride (padded rows need no copy); within a
     row the layout is dense ``[HV, V, K]`` (``state_v_first``) or ``[HV, K, V]``.
@@ -191,6 +209,9 @@ def launch_pool_recurrent(q, k, v, g, beta, o, *, h0, ht, state_indices, num_acc
         return  # no sequence: nothing to run (a zero-sized grid is not a launch)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    rule_v, rule_warps = decode_launch_config(N, T if cu_seqlens is None else T / N, HV, V)
+    block_v = rule_v if block_v is None else block_v
+    num_warps = rule_warps if num_warps is None else num_warps
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), block_v)
     idx, acc = state_indices, num_accepted_tokens

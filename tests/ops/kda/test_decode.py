@@ -294,3 +294,45 @@ def test_decode_rejects_a_pool_on_another_device(backend):
     t, kw, a = _bad(lambda a: None)
     with pytest.raises(ValueError, match="^state_pool must be on q's device cpu, got meta"):
         _decode(t, kw, a["pool"].to("meta"), a["idx"])
+
+
+def test_decode_launch_config_rule():
+    """The wide tile from the swept grid size on, one-token steps only (the sweep measured only those)."""
+    from kdakit.ops.kda.decode import (DECODE_BLOCK_V, DECODE_NUM_WARPS, WIDE_DECODE_BLOCK_V,
+                                       WIDE_DECODE_NUM_WARPS, decode_launch_config)
+
+    small, wide = (DECODE_BLOCK_V, DECODE_NUM_WARPS), (WIDE_DECODE_BLOCK_V, WIDE_DECODE_NUM_WARPS)
+    assert decode_launch_config(64, 1, 32, 128) == small   # 4096 programs of the wide tile
+    assert decode_launch_config(256, 1, 32, 128) == wide   # 16384
+    assert decode_launch_config(4096, 1, 32, 128) == wide
+    assert decode_launch_config(4096, 2, 32, 128) == small  # speculative / multi-token steps: not swept
+    assert decode_launch_config(4096, 1.5, 32, 128) == small
+
+
+def test_wide_and_small_decode_tiles_agree_under_the_interpreter():
+    """Both launch configs of the pool kernel on the same step: the same outputs and pool rows (to fp32
+    round-off: the warp count only reorders the key sums)."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter tier")
+    from kdakit.ops.kda.decode import launch_kda_decode
+
+    gen = torch.Generator().manual_seed(5)
+    N, H, K, V = 3, 2, 16, 128  # V = 128: the wide tile (64 rows) and the small one (16) both split it
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v, g = r(N, 1, H, K), r(N, 1, H, K), r(N, 1, H, V), r(N, 1, H, K)
+    beta = r(N, 1, H)
+    pool = 0.3 * r(N + 1, H, V, K)
+    idx = torch.tensor([2, 0, 3], dtype=torch.int32)
+    A_log = 0.5 * r(H)
+    outs = []
+    for block_v, num_warps in ((16, 1), (64, 2)):
+        p, o = pool.clone(), torch.empty_like(v)
+        launch_kda_decode(q, k, v, g, beta, p, idx, None, o, A_log=A_log, dt_bias=None, scale=K ** -0.5,
+                          cu_seqlens=None, N=N, allow_neg_eigval=False, use_qk_l2norm_in_kernel=True,
+                          use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=None,
+                          block_v=block_v, num_warps=num_warps)
+        outs.append((o, p))
+    assert_close("o", outs[0][0], outs[1][0], 1e-6)
+    assert_close("pool", outs[0][1], outs[1][1], 1e-6)
+    assert not torch.equal(outs[0][1], pool)  # the step wrote the pool rows
