@@ -1,5 +1,8 @@
 """Build Triton kernels for sm_90a without a GPU and print registers and spills: the 64-token pipeline's,
-and (``--only lean``) the default backward's stage 2 from the window's intermediates.
+(``--only lean``) the default backward's stage 2 from the window's intermediates and (``--only window``)
+its stage 3, the window gradients, on the safe and the EXACT gate paths at the launcher's warp counts.
+A build that ptxas -O3 gives 32 registers with KBs of spill code is its fallback allocation (the EXACT
+path at 4 warps: 32 registers, 17 KB; the H200 ran it at 2.25 ms a 16-token program).
 
 Usage: python benchmarks/compile_sm90.py [--warps-grads N] [--warps-states N] [--warps-prep N]
 (no TRITON_INTERPRET). The docs/spec.md §3 flags at K = V = 128, bf16: what the H200 will run.
@@ -15,17 +18,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import kdakit.ops.kda.chunk_bwd64 as M
+import kdakit.ops.kda.chunk_bwd_windowed as WG
 import kdakit.ops.kda.chunk_bwd_states as LS
 import kdakit.ops.kda.chunk_fwd as F16
 import kdakit.ops.kda.chunk_fwd64 as F
 import kdakit.ops.kda.chunk_prep64 as P
 
 TOK = {"q", "k", "v", "g", "beta", "do", "o", "u", "dq", "dk", "dv", "dg", "dbeta", "tinv", "hs", "dhs", "w", "kd", "aqk",
-       "akk", "qg", "ckpt", "ws_s", "ws_ds", "uo"}
+       "akk", "qg", "ckpt", "ws_s", "ws_ds", "uo", "ws_aqk"}
 UNALIGNED = {"stride_alog", "stride_bias", "seq_len", "s_c_v", "win", "lower_bound"}  # element strides of 1
 F32_EXTRA = {"inter", "dA2", "db_buf", "dgc_buf"}
 F32 = {"scratch", "A_log", "dt_bias", "dA_part", "dbias_part", "h0", "ht", "dht", "dh0", "egc", "gc", "ws_win",
-       "carry"}
+       "carry", "ddt_part"}
 
 
 def build(fn, const, warps, stages=1):
@@ -120,6 +124,13 @@ def main():
                                                    HAS_BIAS=True, USE_L2NORM=True, BETA_SIGMOID=True, NEG_EIGVAL=False,
                                                    SAFE=True, IS_VARLEN=True, DOT_PREC="tf32", EMULATE_BF16=False,
                                                    WINDOW=True, SUB=16), F16.INTRA_NUM_WARPS)
+    if "window" in only:
+        for safe in (True, False):
+            warps = WG.GRADS_NUM_WARPS if safe else getattr(WG, "GRADS_EXACT_NUM_WARPS", WG.GRADS_NUM_WARPS)
+            build(WG.chunk_kda_bwd_window_grads_kernel,
+                  dict(GROUP=1, C=16, BK=128, BV=WG.GRADS_BLOCK_V, SUB_CHUNKS=16, GATE=2 if safe else 1, HAS_A=True,
+                       HAS_BIAS=True, L2NORM=True, BETA_SIGMOID=True, NEG_EIGVAL=False, SAFE=safe, IS_VARLEN=True,
+                       DOT_PREC="tf32", GRAD_PREC="tf32", GRAD_OP=1, INV_DOUBLING=True), warps, WG.GRADS_NUM_STAGES)
     if "grads" in only:
         gc = {n: c[n] for n in c if n != "SAFE"}
         build(M.chunk_kda_bwd_state_grads_kernel, dict(gc, BK=128, BV=128, BVS=M.GRADS_BLOCK_V), a.warps_grads)
