@@ -54,7 +54,7 @@ from kdakit.ops.kda.recurrent_forward import (
     qk_activation,
 )
 from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
-from kdakit.ops.kda.validate import STATE_DTYPES, flat_gate_params, validate_kda_inputs
+from kdakit.ops.kda.validate import STATE_DTYPES, check_pool_rows, flat_gate_params, validate_kda_inputs
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
@@ -706,27 +706,21 @@ def _check_pool(pool, state_indices, num_accepted_tokens, shape, cu_seqlens, dev
 
 
 def _check_index_values(P, state_indices, num_accepted_tokens, shape) -> None:
-    """Host check of the index values (one device->host copy of the indices; the sequence lengths come
-    from validation's host copy, never from ``cu_seqlens``)."""
-    host = state_indices.tolist()
-    idx = [[i] for i in host] if state_indices.dim() == 1 else host
-    S = len(idx[0]) if idx else 0
-    flat = [i for row in idx for i in row]
-    if flat and (min(flat) < -1 or max(flat) >= P):
-        raise ValueError(f"state_indices must lie in [-1, {P - 1}] for a pool of {P} rows, got {host}")
-    if shape.seqlens is not None and state_indices.dim() == 2:
+    """Host check of the index values: ``check_pool_rows``'s range and distinct rows (one device->host
+    copy of the indices), then the columns of ``[N, S]`` indices (the sequence lengths come from
+    validation's host copy, never from ``cu_seqlens``)."""
+    host = check_pool_rows("state_indices", state_indices, P)
+    if state_indices.dim() == 1:
+        return  # one row per sequence (_check_pool refused num_accepted_tokens with 1-D indices)
+    S = len(host[0]) if host else 0
+    if shape.seqlens is not None:
         longest = max(shape.seqlens, default=0)
         if longest > S:
             raise ValueError(f"state_indices [N, S] needs S >= the longest sequence ({longest} tokens), got S={S}")
-    acc = num_accepted_tokens.tolist() if num_accepted_tokens is not None else None
-    owner = {}
-    for n, row in enumerate(idx):
-        if acc is not None and not 1 <= acc[n] <= S:
-            raise ValueError(f"num_accepted_tokens must lie in [1, {S}], got {acc[n]} for sequence {n}")
-        for r in set(row):
-            if r >= 0 and owner.setdefault(r, n) != n:
-                raise ValueError(f"state_indices rows must be distinct across sequences: row {r} is used by "
-                                 f"sequences {owner[r]} and {n}")
+    if num_accepted_tokens is not None:
+        for n, a in enumerate(num_accepted_tokens.tolist()):
+            if not 1 <= a <= S:
+                raise ValueError(f"num_accepted_tokens must lie in [1, {S}], got {a} for sequence {n}")
 
 
 def check_state_rows(name: str, pool: torch.Tensor) -> None:

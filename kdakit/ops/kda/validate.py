@@ -298,24 +298,28 @@ POOL_ROWS_RANGE_MESSAGE = "{name} must lie in [-1, {last}] for a pool of {P} row
 
 def check_pool_rows(name: str, state_indices: torch.Tensor, P: int, *,
                     range_message: str = POOL_ROWS_RANGE_MESSAGE) -> list[int]:
-    """The values of 1-D pool rows ``state_indices`` [N] for a pool of ``P`` rows, read to the host once.
+    """The values of pool rows ``state_indices`` for a pool of ``P`` rows, read to the host once:
+    ``[N]`` (one row per sequence) or ``[N, S]`` (``kda_decode``'s per-token rows of sequence n).
 
-    Each must lie in ``[-1, P)`` (``-1`` a padded sequence), and the rows of different sequences
-    must be distinct. ``state_indices.tolist()`` is the one read: a device->host copy for CUDA
-    indices, so a caller skips this during a CUDA-graph capture (or with ``check_indices=False``)
-    and makes it before any pool row is read or written. Returns the host values.
+    Each must lie in ``[-1, P)`` (``-1`` a padded entry), and the rows of different sequences
+    must be distinct (a sequence may name its own row more than once). ``state_indices.tolist()``
+    is the one read: a device->host copy for CUDA indices, so a caller skips this during a
+    CUDA-graph capture (or with ``check_indices=False``) and makes it before any pool row is read
+    or written. Returns the host values (nested lists for ``[N, S]``).
 
     ``range_message`` is the out-of-range error, a ``str.format`` template over ``name``, ``P``,
     ``last`` (``P - 1``), ``host`` (all the values) and ``bad`` (the sorted distinct values out of
     range): ``chunk_kda``'s by default; ``KimiDeltaAttention`` names its own.
     """
     host = state_indices.tolist()
-    bad = sorted({r for r in host if not -1 <= r < P})
+    rows = host if state_indices.dim() == 2 else [[r] for r in host]  # sequence n's rows
+    bad = sorted({r for row in rows for r in row if not -1 <= r < P})
     if bad:
         raise ValueError(range_message.format(name=name, P=P, last=P - 1, host=host, bad=bad))
     owner = {}
-    for n, r in enumerate(host):
-        if r >= 0 and owner.setdefault(r, n) != n:
-            raise ValueError(f"{name} rows must be distinct across sequences: row {r} is used by "
-                             f"sequences {owner[r]} and {n}")
+    for n, row in enumerate(rows):
+        for r in row:
+            if r >= 0 and owner.setdefault(r, n) != n:
+                raise ValueError(f"{name} rows must be distinct across sequences: row {r} is used by "
+                                 f"sequences {owner[r]} and {n}")
     return host
