@@ -13,6 +13,12 @@ forward+backward against the chunked path. Writes a JSON results file.
    (its vLLM entry ``fused_recurrent_kda_fwd`` with ``ssm_state_indices`` and
    ``inplace_final_state``). Targets (issue #13): state bandwidth >= 85% of the copy's and
    >= 1.3x FLA's speed, each recorded per row in ``meets_target``.
+   Speculative steps (``speculative`` rows, ``--spec-n``): S = 4 tokens per sequence, N in {64, 256},
+   the same heads and pools, ``state_indices`` ``[N, S]`` (the state after token t of sequence n goes
+   to row ``state_indices[n, t]``; the initial state is read from row
+   ``state_indices[n, num_accepted_tokens[n] - 1]``) with ``num_accepted_tokens`` a mix of 1..S over a
+   pool of N * S rows; FLA's call with the same ``ssm_state_indices`` and ``num_accepted_tokens``.
+   State bytes: the N rows read once plus the N * S rows written.
    With ``--sweep``, each decode cell also times the kernel at every launch config of a small
    grid (block_v x num_warps, through the launcher kda_decode calls), each config gated like
    the row, with fewer timed replays than the row; the fastest config per cell and per state
@@ -69,6 +75,13 @@ TARGET_SPEEDUP_VS_FLA = 1.3
 DECODE_GATE_RATIO = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 TRAIN_GATE_RATIO = 2e-2  # bf16 inputs and gradients vs float64 (or vs the chunked path)
 DECODE_N = (64, 256, 1024, 4096)
+FLA_GATE_RATIO = 1e-2  # FLA keeps bf16 state unrounded within a step; it differs from the reference by bf16 rounding
+# Speculative decoding (issue #13 item 9): S tokens per sequence, state_indices [N, S], num_accepted_tokens [N]
+SPEC_S = 4
+SPEC_N = (64, 256)
+SPEC_BYTES = ("the N pool rows read once (row state_indices[n, num_accepted_tokens[n] - 1]) plus the N * S rows "
+              "written (row state_indices[n, t] after token t), HV * V * K state elements each; token inputs and "
+              "outputs not counted")
 # The launch-config grid of --sweep: around decode.py's decode_launch_config choices (16 x 1, 64 x 2 warps).
 SWEEP_BLOCK_V = (8, 16, 32, 64)
 SWEEP_NUM_WARPS = (1, 2, 4, 8)
@@ -153,12 +166,13 @@ def environment() -> dict:
 # Decode
 # ---------------------------------------------------------------------------------------------
 
-def _decode_inputs(N, H, K, V, seed=0):
+def _decode_inputs(N, H, K, V, seed=0, T=1):
+    """One step's inputs: ``T`` tokens for each of ``N`` sequences (``[N, T, ...]``), H = HV heads."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     r = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
     t = {
-        "q": r(N, 1, H, K).bfloat16(), "k": r(N, 1, H, K).bfloat16(), "v": r(N, 1, H, V).bfloat16(),
-        "g": r(N, 1, H, K).bfloat16(), "beta": r(N, 1, H).bfloat16(),
+        "q": r(N, T, H, K).bfloat16(), "k": r(N, T, H, K).bfloat16(), "v": r(N, T, H, V).bfloat16(),
+        "g": r(N, T, H, K).bfloat16(), "beta": r(N, T, H).bfloat16(),
         "A_log": 0.5 * r(H), "dt_bias": 0.5 * r(H * K),
     }
     opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
@@ -166,14 +180,15 @@ def _decode_inputs(N, H, K, V, seed=0):
     return t, opts
 
 
-def _fla_decode_fn(t, opts, pool, idx, out):
+def _fla_decode_fn(t, opts, pool, idx, out, acc=None):
+    """FLA's vLLM entry on ``pool`` in place: ``idx`` ``[N]``, or ``[N, S]`` with ``acc`` (num_accepted_tokens)."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     def run():
         fused_recurrent_kda_fwd(
             q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
-            initial_state=pool, inplace_final_state=True, ssm_state_indices=idx, state_v_first=True,
-            out=out, **opts,
+            initial_state=pool, inplace_final_state=True, ssm_state_indices=idx, num_accepted_tokens=acc,
+            state_v_first=True, out=out, **opts,
         )
     return run
 
@@ -211,11 +226,12 @@ def device_error_report(name: str, ref: torch.Tensor, got: torch.Tensor, chunk_e
     return ErrorReport(name, max_abs, err_rms / ref_rms)
 
 
-def _decode_reference(t, opts, pool, idx):
-    """One step of the PyTorch reference from ``pool`` (left as it is): (output, pool after the step)."""
+def _decode_reference(t, opts, pool, idx, acc=None):
+    """One step of the PyTorch reference from ``pool`` (left as it is): (output, pool after the step).
+    ``acc``: num_accepted_tokens with ``[N, S]`` indices."""
     N, K = t["q"].shape[0], t["q"].shape[3]
     ref_pool, ref_o = pool.clone(), torch.empty_like(t["v"])
-    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, None, ref_o,
+    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, acc, ref_o,
                          A_log=t["A_log"], dt_bias=t["dt_bias"], scale=K ** -0.5, cu_seqlens=None, N=N,
                          allow_neg_eigval=False, **opts)
     return ref_o, ref_pool
@@ -402,7 +418,7 @@ def bench_decode(N: int, pool_dtype: torch.dtype, copy_GBps: float, iters: int, 
         rep = device_error_report("fla o", ref2_o, fla_out)
         res["fla_gate"] = str(rep)
         # FLA keeps bf16 state unrounded within a step; one step differs by bf16 rounding only
-        if rep.rms_ratio > 1e-2:
+        if rep.rms_ratio > FLA_GATE_RATIO:
             res["fla_error"] = "FLA output disagrees with the reference"
         else:
             replay_fla, _g2 = graphed(run_fla)
@@ -419,6 +435,102 @@ def bench_decode(N: int, pool_dtype: torch.dtype, copy_GBps: float, iters: int, 
     if res.get("sweep_best"):
         best = res["sweep_best"]
         best["meets_target"] = decode_targets(best["fraction_of_copy"], best.get("speedup_vs_fla"))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding steps (--spec-n)
+# ---------------------------------------------------------------------------------------------
+
+def spec_indices(N: int, S: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One speculative step's rows over a pool of ``N * S`` rows, int32 on the CPU.
+
+    ``state_indices`` ``[N, S]``: a random permutation of the pool's rows, so every row belongs to one
+    sequence's column (contiguous: FLA's kernel reads entry ``[n, t]`` at ``n * stride(0) + t``, ignoring
+    the token stride). ``num_accepted_tokens`` ``[N]``: the counts 1..S in turn, shuffled, so each count
+    occurs ``N // S`` or ``N // S + 1`` times.
+    """
+    if N < 1 or S < 1:
+        raise ValueError(f"N and S must be >= 1, got N={N}, S={S}")
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(N * S, generator=gen).to(torch.int32).view(N, S)
+    acc = (torch.arange(N) % S + 1)[torch.randperm(N, generator=gen)].to(torch.int32)
+    return idx, acc
+
+
+def spec_state_bytes(N: int, S: int, row_bytes: int) -> int:
+    """State bytes one speculative step moves: each sequence's initial row read once, its S rows written."""
+    return N * (1 + S) * row_bytes
+
+
+def bench_speculative(N: int, pool_dtype: torch.dtype, copy_GBps: float, iters: int, S: int = SPEC_S,
+                      H: int = 32, K: int = 128, V: int = 128) -> dict:
+    """One speculative cell: ``kda_decode`` with ``[N, S]`` state_indices and num_accepted_tokens, gated
+    against kda_decode_reference, timed as CUDA-graph replays (and eager calls), then FLA's call on the
+    same rows, gated and timed the same way."""
+    t, opts = _decode_inputs(N, H, K, V, T=S)
+    idx_cpu, acc_cpu = spec_indices(N, S)
+    idx, acc = idx_cpu.to(DEV), acc_cpu.to(DEV)
+    P = N * S
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    pool = (0.3 * torch.randn(P, H, V, K, device=DEV, generator=gen)).to(pool_dtype)
+    out = torch.empty_like(t["v"])
+    state_bytes = spec_state_bytes(N, S, H * V * K * pool.element_size())
+    counts = acc_cpu.tolist()
+    block_v, num_warps = decode_launch_config(N, S, H, V)
+    res = {"N": N, "S": S, "H": H, "HV": H, "K": K, "V": V, "state_dtype": str(pool_dtype).replace("torch.", ""),
+           "pool_rows": P, "num_accepted_tokens_counts": {str(c): counts.count(c) for c in range(1, S + 1)},
+           "state_bytes_read_plus_written": state_bytes, "state_bytes_counted": SPEC_BYTES,
+           "kdakit_launch_config": {"block_v": block_v, "num_warps": num_warps}}
+
+    # correctness gate: one step against the PyTorch reference on a copy of the pool (outputs and all rows)
+    ref_o, ref_pool = _decode_reference(t, opts, pool, idx, acc)
+    gate_pool = pool.clone()
+    o = kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], gate_pool, idx, A_log=t["A_log"],
+                   dt_bias=t["dt_bias"], num_accepted_tokens=acc, **opts)
+    res["gate"], ok = _decode_gate(ref_o, ref_pool, o, gate_pool)
+    del gate_pool, ref_o, ref_pool
+    if not ok:
+        res["error"] = "correctness gate failed"
+        return res
+
+    def ours():
+        kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, A_log=t["A_log"], dt_bias=t["dt_bias"],
+                   num_accepted_tokens=acc, out=out, check_indices=False, **opts)
+
+    replay, _graph = graphed(ours)
+    ms = median_ms(replay, warmup=20, iters=iters)
+    res["kdakit_graph_ms"] = ms
+    res["kdakit_state_GBps"] = state_bytes / ms / 1e6
+    res["kdakit_fraction_of_copy"] = res["kdakit_state_GBps"] / copy_GBps
+    res["meets_target"] = decode_targets(res["kdakit_fraction_of_copy"], None)
+    res["kdakit_eager_ms"] = median_ms(ours, warmup=10, iters=max(20, iters // 4))
+
+    res["fla_semantics"] = (
+        "fused_recurrent_kda_fwd(ssm_state_indices=[N, S], num_accepted_tokens, inplace_final_state=True, "
+        "state_v_first=True): the same rows read and written as kda_decode's; a bf16 pool's running state is "
+        f"rounded per token by kdakit and not by FLA (only its stored copies), so FLA is gated at {FLA_GATE_RATIO}")
+    try:
+        fla_pool = pool.clone()
+        fla_out = torch.empty_like(out)
+        ref2_o, ref2_pool = _decode_reference(t, opts, fla_pool, idx, acc)
+        run_fla = _fla_decode_fn(t, opts, fla_pool, idx, fla_out, acc)
+        run_fla()
+        reps = [device_error_report("fla o", ref2_o, fla_out), device_error_report("fla state", ref2_pool, fla_pool)]
+        del ref2_o, ref2_pool
+        res["fla_gate"] = [str(r) for r in reps]
+        if any(r.rms_ratio > FLA_GATE_RATIO for r in reps):
+            res["fla_error"] = "FLA's speculative step disagrees with the reference (outputs or stored states)"
+        else:
+            replay_fla, _g2 = graphed(run_fla)
+            fms = median_ms(replay_fla, warmup=20, iters=iters)
+            res["fla_graph_ms"] = fms
+            res["fla_state_GBps"] = state_bytes / fms / 1e6
+            res["fla_fraction_of_copy"] = res["fla_state_GBps"] / copy_GBps
+            res["kdakit_speedup_vs_fla"] = fms / ms
+            res["meets_target"] = decode_targets(res["kdakit_fraction_of_copy"], res["kdakit_speedup_vs_fla"])
+    except Exception as exc:  # noqa: BLE001 - record any FLA failure (not installed, API mismatch)
+        res["fla_error"] = f"{type(exc).__name__}: {exc}"
     return res
 
 
@@ -553,8 +665,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="path of the JSON results file")
     parser.add_argument("--iters", type=int, default=200, help="timed runs per decode measurement")
     parser.add_argument("--train-iters", type=int, default=20, help="timed runs per fwd/fwd+bwd measurement")
-    parser.add_argument("--decode-n", type=int, nargs="+", default=list(DECODE_N),
-                        help="decode batch sizes (sequences per step; each in fp32 and bf16 state)")
+    parser.add_argument("--decode-n", type=int, nargs="*", default=list(DECODE_N),
+                        help="decode batch sizes (sequences per step; each in fp32 and bf16 state); the flag alone "
+                             "skips the one-token decode rows")
+    parser.add_argument("--spec-n", type=int, nargs="*", default=list(SPEC_N),
+                        help=f"speculative-step batch sizes (S={SPEC_S} tokens per sequence, [N, S] state_indices "
+                             f"and num_accepted_tokens; each in fp32 and bf16 state); the flag alone skips them")
     parser.add_argument("--train-t", type=int, nargs="*", default=[1, 17, 1024],
                         help="fwd+bwd sequence lengths; the flag alone (no values) skips fwd+bwd")
     parser.add_argument("--sweep", action="store_true",
@@ -574,16 +690,19 @@ def summary_lines(results: dict) -> list[str]:
 
     lines = [f"targets: decode state bandwidth >= {TARGET_FRACTION:.0%} of copy, "
              f">= {TARGET_SPEEDUP_VS_FLA}x FLA fused_recurrent decode"]
-    for r in results.get("decode", []):
-        cell = f"decode N={r['N']} {r['state_dtype']}"
+    def target_line(cell, r):
         if "meets_target" not in r:
-            lines.append(f"{cell}: {r.get('error', 'not measured')}")
-            continue
+            return f"{cell}: {r.get('error', 'not measured')}"
         m = r["meets_target"]
         speed = (f"{r['kdakit_speedup_vs_fla']:.2f}x FLA ({verdict(m['speedup_vs_fla'])} {TARGET_SPEEDUP_VS_FLA}x)"
                  if m["speedup_vs_fla"] is not None else f"FLA not measured ({r.get('fla_error', 'no FLA row')})")
-        lines.append(f"{cell}: {r['kdakit_fraction_of_copy']:.3f} of copy ({verdict(m['fraction_of_copy'])} "
-                     f"{TARGET_FRACTION}), {speed}")
+        return (f"{cell}: {r['kdakit_fraction_of_copy']:.3f} of copy ({verdict(m['fraction_of_copy'])} "
+                f"{TARGET_FRACTION}), {speed}")
+
+    for r in results.get("decode", []):
+        lines.append(target_line(f"decode N={r['N']} {r['state_dtype']}", r))
+        if "meets_target" not in r:
+            continue
         best = r.get("sweep_best")
         if "sweep" in r:
             if best is None:
@@ -593,6 +712,8 @@ def summary_lines(results: dict) -> list[str]:
             vs_default = f", {best['speedup_vs_default']:.2f}x default" if "speedup_vs_default" in best else ""
             lines.append(f"  sweep best: block_v={best['block_v']} num_warps={best['num_warps']} "
                          f"{best['graph_ms']:.4f} ms, {best['fraction_of_copy']:.3f} of copy{vs_default}{vs_fla}")
+    for r in results.get("speculative", []):
+        lines.append(target_line(f"speculative S={r['S']} N={r['N']} {r['state_dtype']}", r))
     for dtype, pick in (results.get("sweep_overall_best") or {}).items():
         if pick is None:
             lines.append(f"sweep pick {dtype}: no config timed in every cell")
@@ -610,6 +731,9 @@ def main(argv=None) -> int:
     for name in ("iters", "train_iters", "sweep_iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    bad_n = [n for n in args.decode_n + args.spec_n if n < 1]
+    if bad_n:
+        parser.error(f"--decode-n and --spec-n values must be >= 1, got {bad_n}")
     if not args.sweep_budget_s > 0:
         parser.error(f"--sweep-budget-s must be > 0, got {args.sweep_budget_s}")
     if not torch.cuda.is_available():
@@ -648,6 +772,17 @@ def main(argv=None) -> int:
     if sweep is not None:
         results["sweep_protocol"]["spent_s"] = args.sweep_budget_s - sweep.left_s
         results["sweep_overall_best"] = overall_best(results["decode"])
+
+    results["speculative"] = []
+    for N in args.spec_n:
+        for dt in (torch.float32, torch.bfloat16):
+            try:
+                r = bench_speculative(N, dt, results["copy"]["GBps"], args.iters)
+            except Exception as exc:  # noqa: BLE001 - keep the other cases
+                r = {"N": N, "S": SPEC_S, "state_dtype": str(dt).replace("torch.", ""),
+                     "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=5)}
+            results["speculative"].append(r)
+            print(json.dumps(r), flush=True)
 
     results["fwd_bwd"] = []
     for T in args.train_t:

@@ -551,3 +551,120 @@ def test_bench_recurrent_summary_states_both_targets():
     assert "block_v=32 num_warps=2" in lines[2] and "1.35x FLA" in lines[2]
     assert lines[3].endswith("0.800 of copy (misses 0.85), FLA not measured (ImportError: fla)")
     assert lines[4].endswith("boom") and "no config timed in every cell" in lines[5]
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_recurrent: speculative steps (S tokens per sequence, [N, S] state_indices, num_accepted_tokens)
+# ---------------------------------------------------------------------------------------------
+
+def test_bench_recurrent_spec_indices_bytes_and_flag():
+    import bench_recurrent as br
+
+    idx, acc = br.spec_indices(64, 4)
+    assert idx.shape == (64, 4) and acc.shape == (64,) and idx.dtype == acc.dtype == torch.int32
+    assert idx.is_contiguous()  # FLA reads entry [n, t] at n * stride(0) + t
+    assert sorted(idx.flatten().tolist()) == list(range(256))  # every pool row in exactly one sequence's column
+    assert [acc.tolist().count(c) for c in (1, 2, 3, 4)] == [16, 16, 16, 16]
+    assert acc.tolist() != sorted(acc.tolist())  # shuffled, not in runs
+    again = br.spec_indices(64, 4)
+    assert torch.equal(again[0], idx) and torch.equal(again[1], acc)
+    _, acc6 = br.spec_indices(6, 4)
+    assert sorted(acc6.tolist()) == [1, 1, 2, 2, 3, 4]
+    with pytest.raises(ValueError, match="must be >= 1"):
+        br.spec_indices(0, 4)
+    # one row read and S rows written per sequence: N = 64, S = 4, HV = 32, K = V = 128 fp32 rows of 2 MiB
+    assert br.spec_state_bytes(64, 4, 32 * 128 * 128 * 4) == 64 * 5 * 2 ** 21
+    assert br.spec_state_bytes(256, 4, 32 * 128 * 128 * 2) == 256 * 5 * 2 ** 20
+
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_recurrent.py"), "--help"],
+                         check=True, capture_output=True, text=True).stdout
+    assert "--spec-n" in out
+    parse = br.build_parser().parse_args
+    assert parse(["--out", "x.json"]).spec_n == [64, 256] and br.SPEC_S == 4
+    assert parse(["--spec-n", "--out", "x.json"]).spec_n == []
+    assert parse(["--spec-n", "8", "--out", "x.json"]).spec_n == [8]
+    only_spec = parse(["--decode-n", "--train-t", "--out", "x.json"])  # the speculative rows alone
+    assert (only_spec.decode_n, only_spec.train_t, only_spec.spec_n) == ([], [], [64, 256])
+    with pytest.raises(SystemExit):
+        br.main(["--spec-n", "0", "--out", "x.json"])
+
+
+def test_bench_recurrent_summary_lists_speculative_rows():
+    import bench_recurrent as br
+
+    spec = {"N": 256, "S": 4, "state_dtype": "float32", "kdakit_fraction_of_copy": 0.7, "kdakit_speedup_vs_fla": 1.4,
+            "meets_target": br.decode_targets(0.7, 1.4)}
+    no_fla = {"N": 64, "S": 4, "state_dtype": "bfloat16", "kdakit_fraction_of_copy": 0.9,
+              "fla_error": "FLA's speculative step disagrees", "meets_target": br.decode_targets(0.9, None)}
+    failed = {"N": 64, "S": 4, "state_dtype": "float32", "error": "correctness gate failed"}
+    lines = br.summary_lines({"decode": [], "speculative": [spec, no_fla, failed]})
+    assert lines[1] == "speculative S=4 N=256 float32: 0.700 of copy (misses 0.85), 1.40x FLA (meets 1.3x)"
+    assert lines[2] == ("speculative S=4 N=64 bfloat16: 0.900 of copy (meets 0.85), FLA not measured "
+                        "(FLA's speculative step disagrees)")
+    assert lines[3] == "speculative S=4 N=64 float32: correctness gate failed" and len(lines) == 4
+
+
+def _cpu_bench(monkeypatch, br, times):
+    """bench_recurrent on the CPU: the Triton kernels under the interpreter, no graphs, a fake clock."""
+    monkeypatch.setattr(br, "DEV", "cpu")
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    monkeypatch.setattr(br, "graphed", lambda fn: (fn, None))
+    clock, calls = iter(times), []
+
+    def fake_median_ms(fn, warmup, iters):
+        fn()
+        calls.append(iters)
+        return next(clock)
+
+    monkeypatch.setattr(br, "median_ms", fake_median_ms)
+    return calls
+
+
+def _kdakit_as_fla(t, opts, pool, idx, out, acc=None):
+    """FLA's fused_recurrent_kda_fwd call as kdakit implements its semantics (FLA is not installed on CPU)."""
+    from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
+
+    def run():
+        with torch.no_grad():
+            fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                                initial_state=pool, inplace_final_state=True, ssm_state_indices=idx,
+                                num_accepted_tokens=acc, state_v_first=True, out=out, **opts)
+    return run
+
+
+def test_bench_recurrent_speculative_cell_on_the_cpu_kernel(monkeypatch):
+    import bench_recurrent as br
+
+    calls = _cpu_bench(monkeypatch, br, [2.0, 5.0, 3.0])  # kdakit graph, kdakit eager, FLA graph
+    monkeypatch.setattr(br, "_fla_decode_fn", _kdakit_as_fla)
+    N, S, H, K, V = 4, 4, 2, 16, 16
+    # a bf16 pool: its gate (1e-2) allows the interpreter's truncating fp32 -> bf16 cast of the bf16 outputs
+    r = br.bench_speculative(N, torch.bfloat16, copy_GBps=1.0, iters=8, S=S, H=H, K=K, V=V)
+    assert "error" not in r and "fla_error" not in r, r
+    assert len(r["gate"]) == 2 and len(r["fla_gate"]) == 2 and calls == [8, 20, 8]
+    assert r["pool_rows"] == N * S and r["num_accepted_tokens_counts"] == {"1": 1, "2": 1, "3": 1, "4": 1}
+    assert r["state_bytes_read_plus_written"] == N * (1 + S) * H * V * K * 2
+    assert r["kdakit_fraction_of_copy"] == pytest.approx(r["state_bytes_read_plus_written"] / 2.0 / 1e6)
+    assert r["kdakit_speedup_vs_fla"] == pytest.approx(1.5) and r["kdakit_eager_ms"] == 5.0
+    assert r["meets_target"] == br.decode_targets(r["kdakit_fraction_of_copy"], 1.5)
+    assert r["kdakit_launch_config"] == dict(zip(("block_v", "num_warps"), br.decode_launch_config(N, S, H, V)))
+    json.dumps(r)
+
+
+def test_bench_recurrent_speculative_gates_catch_the_wrong_initial_row(monkeypatch):
+    import bench_recurrent as br
+
+    # an FLA call that ignores num_accepted_tokens (reads column 0): its states are wrong, so it is not timed
+    _cpu_bench(monkeypatch, br, [2.0, 5.0])
+    monkeypatch.setattr(br, "_fla_decode_fn", lambda t, opts, pool, idx, out, acc=None:
+                        _kdakit_as_fla(t, opts, pool, idx, out, None))
+    r = br.bench_speculative(4, torch.bfloat16, copy_GBps=1.0, iters=8, S=4, H=2, K=16, V=16)
+    assert "error" not in r and "disagrees with the reference" in r["fla_error"], r
+    assert "kdakit_speedup_vs_fla" not in r and r["meets_target"]["speedup_vs_fla"] is None
+    # a reference that ignores num_accepted_tokens fails kdakit's gate: nothing is timed
+    calls = _cpu_bench(monkeypatch, br, [])
+    ref = br.kda_decode_reference
+    monkeypatch.setattr(br, "kda_decode_reference", lambda q, k, v, g, beta, pool, idx, acc, o, **kw:
+                        ref(q, k, v, g, beta, pool, idx, None, o, **kw))
+    r = br.bench_speculative(4, torch.bfloat16, copy_GBps=1.0, iters=8, S=4, H=2, K=16, V=16)
+    assert r["error"] == "correctness gate failed" and "kdakit_graph_ms" not in r and calls == []
