@@ -270,7 +270,7 @@ stage_wait() {
 }
 
 declare -A DEFAULT_LIMIT=([env]=10 [warm]=160 [chunk]=100 [fla]=150 [sweep]=80 [profile]=20 [chunk64]=150 [tests]=rest
-                          [recurrent]=100 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest)
+                          [recurrent]=150 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest)
 for s in "${stages[@]}"; do
     if [ -z "${DEFAULT_LIMIT[$s]+x}" ]; then
         echo "run_gpu.sh: unknown stage '$s' (skipped)" | tee -a "$OUT/stages.log"

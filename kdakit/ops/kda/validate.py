@@ -15,6 +15,8 @@ never read.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -185,8 +187,11 @@ def validate_kda_inputs(
         if t is not None and isinstance(t, torch.Tensor) and t.device != dev:
             raise ValueError(f"{name} must be on q's device {dev}, got {t.device}")
 
-    if scale is not None and not isinstance(scale, (int, float)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    # Both backends would otherwise return NaN (inf, nan) or a meaningless output (<= 0) without a word.
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float or None (K ** -0.5), got {scale}")
 
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True, got False")
@@ -196,6 +201,11 @@ def validate_kda_inputs(
             raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
         if safe_gate and not (-5.0 <= lower_bound < 0.0):
             raise ValueError(f"lower_bound must be in the safe range [-5, 0) with safe_gate=True, got {lower_bound}")
+        # The gate is lower_bound * sigmoid(.), a log-decay, so <= 0. With lower_bound >= 0 the state grows
+        # without bound and the two backends' round-off diverges (1x20 tokens at lower_bound = 1: outputs
+        # 54 apart), so it is refused rather than computed.
+        if not (math.isfinite(lower_bound) and lower_bound < 0.0):
+            raise ValueError(f"lower_bound must be a negative finite float or None, got {lower_bound}")
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
             raise ValueError("use_gate_in_kernel=True needs A_log (or lower_bound), got A_log=None and lower_bound=None")

@@ -267,3 +267,38 @@ def test_plan_refuses_shapes_the_kernels_reject():
     with pytest.raises(ValueError, match="K, V <= 128"):
         plan_kda(B=1, T=10, H=1, K=256)
     assert plan_kda(B=1, T=10, H=1, K=256, backend="torch").K == 256
+
+
+# scale and lower_bound out of their ranges: without the check both backends returned NaN (scale inf /
+# nan) or outputs 54 apart (lower_bound = 1 without safe_gate); validation runs before the backend is
+# chosen, so both give the same error.
+RANGE_CASES = {
+    "scale 0": (ValueError, r"^scale must be a positive finite float or None .*got 0", dict(scale=0.0)),
+    "scale negative": (ValueError, r"^scale must be a positive finite float or None .*got -1", dict(scale=-1.0)),
+    "scale inf": (ValueError, r"^scale must be a positive finite float or None .*got inf", dict(scale=float("inf"))),
+    "scale nan": (ValueError, r"^scale must be a positive finite float or None .*got nan", dict(scale=float("nan"))),
+    "scale bool": (TypeError, r"^scale must be a float or None, got bool", dict(scale=True)),
+    "lower_bound positive": (ValueError, r"^lower_bound must be a negative finite float or None, got 1",
+                             dict(lower_bound=1.0)),
+    "lower_bound zero": (ValueError, r"^lower_bound must be a negative finite float or None, got 0",
+                         dict(lower_bound=0.0)),
+    "lower_bound -inf": (ValueError, r"^lower_bound must be a negative finite float or None, got -inf",
+                         dict(lower_bound=float("-inf"))),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", list(RANGE_CASES))
+def test_scale_and_lower_bound_ranges(case, backend, monkeypatch):
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    exc, pattern, update = RANGE_CASES[case]
+    _expect(exc, pattern, lambda t, kw: kw.update(**update))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_scale_and_lower_bound_in_range_run(backend, monkeypatch):
+    monkeypatch.setenv("KDAKIT_BACKEND", backend)
+    t, kw = _base()
+    kw.update(scale=0.3, lower_bound=-3.0)
+    o, _ = _call(t, kw)
+    assert torch.isfinite(o).all()
