@@ -4,7 +4,11 @@ Answers "which kernel owns the time" before tuning: for each shape, one warm-up 
 K = V = 128, l2norm, beta sigmoid, safe gate lb -5, cu_seqlens). Prints and writes a table of
 kernel name, calls per step and CUDA milliseconds per step.
 
-Usage: python benchmarks/profile_chunk.py --out prof.json [--shapes 1x8192:96]
+``--gate softplus``: the unbounded gate instead (safe_gate False, no lower bound: FLA's layer default,
+the kernels' EXACT path; at 1 x 32K H16 its window-gradient kernel measured 40x the safe path's time per
+token, results/profile_layer_32k_h200.txt).
+
+Usage: python benchmarks/profile_chunk.py --out prof.json [--shapes 1x8192:96] [--gate safe|softplus]
 """
 
 from __future__ import annotations
@@ -35,24 +39,28 @@ def protocol_inputs(mbs: int, seq: int, heads: int, d: int = 128, seed: int = 0)
     return x, A_log, dt_bias, cu, do
 
 
-def step(x, A_log, dt_bias, cu, do, **options):
-    """One protocol forward+backward; ``options`` go to chunk_kda (e.g. checkpoint_every_n_tokens)."""
+GATES = {"safe": dict(safe_gate=True, lower_bound=-5.0), "softplus": dict(safe_gate=False, lower_bound=None)}
+
+
+def step(x, A_log, dt_bias, cu, do, gate="safe", **options):
+    """One protocol forward+backward (``gate``: a key of GATES); ``options`` go to chunk_kda (e.g.
+    checkpoint_every_n_tokens)."""
     from kdakit import chunk_kda
 
     o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                     safe_gate=True, lower_bound=-5.0, **options)
+                     **GATES[gate], **options)
     o.backward(do)
 
 
-def profile_one(mbs, seq, heads, steps):
+def profile_one(mbs, seq, heads, steps, gate="safe"):
     x, A_log, dt_bias, cu, do = protocol_inputs(mbs, seq, heads)
-    step(x, A_log, dt_bias, cu, do)  # compile and warm up
+    step(x, A_log, dt_bias, cu, do, gate)  # compile and warm up
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
-            step(x, A_log, dt_bias, cu, do)
+            step(x, A_log, dt_bias, cu, do, gate)
         torch.cuda.synchronize()
     per = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
@@ -66,12 +74,12 @@ def profile_one(mbs, seq, heads, steps):
     times = []
     for _ in range(steps):
         start.record()
-        step(x, A_log, dt_bias, cu, do)
+        step(x, A_log, dt_bias, cu, do, gate)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     times.sort()
-    return {"shape": f"{mbs}x{seq}:{heads}", "steps": steps,
+    return {"shape": f"{mbs}x{seq}:{heads}", "gate": gate, "steps": steps,
             "fwd_bwd_ms_median": times[len(times) // 2],
             "kernel_ms_sum": sum(r["ms_per_step"] for r in rows), "kernels": rows}
 
@@ -81,11 +89,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="1x8192:96")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--gate", choices=sorted(GATES), default="safe")
     args = ap.parse_args(argv)
     results = []
     for mbs, seq, heads in parse_shapes(args.shapes):
         try:
-            res = profile_one(mbs, seq, heads, args.steps)
+            res = profile_one(mbs, seq, heads, args.steps, args.gate)
         except Exception as e:  # keep the other shapes' figures; the error is the result of this one
             res = {"shape": f"{mbs}x{seq}:{heads}", "error": repr(e)[:2000]}
         results.append(res)

@@ -41,7 +41,8 @@
 #   chunk     kdakit at SHAPES (runs the correctness gate itself when `warm` has not)
 #   fla       FLA 0.6.0 at FLA_SHAPES
 #   sweep     kdakit and FLA at SWEEP_SHAPES (SWEEP_PROCESS=shared|fresh, SWEEP_REPS, SWEEP_TIMING_RUNS)
-#   profile   per-kernel CUDA time of kdakit's forward and backward (profile_chunk.py, PROFILE_SHAPES)
+#   profile   per-kernel CUDA time of kdakit's forward and backward (profile_chunk.py, PROFILE_SHAPES;
+#             PROFILE_GATE=softplus: the unbounded gate, FLA's layer default, instead of the safe gate)
 #   chunk64   the experimental 64-token pipeline at 1x8192:96 (dev_chunk_gpu.py; CHUNK64_ARGS, default
 #             --skip-accuracy; pass "--gates safe" to add its accuracy check, ~40 s)
 #   tests     the GPU test tier (tests marked gpu; GPU_TESTS; GPU_TEST_FLAGS, default "--timeout=300": per
@@ -217,7 +218,7 @@ stage_sweep() {
 
 stage_profile() {
     timeout -k 5 "$1" python3 benchmarks/profile_chunk.py --shapes "${PROFILE_SHAPES:-1x8192:96}" \
-        --out "$OUT/profile.json" 2>&1 | tee -a "$OUT/run.log"
+        --gate "${PROFILE_GATE:-safe}" --out "$OUT/profile.json" 2>&1 | tee -a "$OUT/run.log"
     return "${PIPESTATUS[0]}"
 }
 
