@@ -66,9 +66,10 @@ def build(fn, const, warps, stages=1):
                              capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", rep)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
+    n_mma = len(re.findall(r"\bmma\.sync", ptx))  # PTX indents instructions with a tab: no leading space
     print(f"{fn.__name__}: warps {warps}, stages {stages}, registers {regs.group(1) if regs else '?'}, "
           f"spill stores/loads {spill.group(1) + '/' + spill.group(2) if spill else '?'} B, "
-          f"wgmma {len(re.findall('wgmma.mma_async', ptx))}, mma.sync {len(re.findall(r' mma.sync', ptx))}")
+          f"wgmma {len(re.findall('wgmma.mma_async', ptx))}, mma.sync {n_mma}")
     return kern
 
 

@@ -335,41 +335,19 @@ def test_kernel_rejects_bad_inputs():
 # The compiled (non-interpreted) windowed stages must build for sm_90a without a GPU. Stage 1 runs the
 # same state step as stage 2's role 0, so stages 2 and 3 cover every jit helper.
 _COMPILE_SCRIPT = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import sys
+sys.path.insert(0, "benchmarks")
+from compile_sm90 import build  # the sm_90a build with the JIT's alignment hints, and its ptxas report
 import kdakit.ops.kda.chunk_bwd_windowed as M
-
-TOK = {"q", "k", "v", "g", "beta", "do", "dq", "dk", "dv", "dg", "dbeta", "ws_s", "ws_ds"}
-F32 = {"ckpt", "A_log", "dt_bias", "ws_win", "carry", "dA_part", "ddt_part"}
-
-
-def build(fn, const, warps):
-    sig = {}
-    for n in fn.arg_names:
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in TOK:
-            sig[n] = "*bf16"
-        elif n in F32:
-            sig[n] = "*fp32"
-        elif n in ("ckpt_off", "cu_seqlens"):
-            sig[n] = "*i64"
-        elif n in ("scale", "lower_bound"):
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
-    assert "mma" in kern.asm["ptx"]
-    print("built", fn.__name__)
-
 
 c = dict(C=16, BK=128, GATE=2, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA_SIGMOID=True, NEG_EIGVAL=False,
          SAFE=True, IS_VARLEN=True, DOT_PREC="tf32", GRAD_PREC="tf32", GRAD_OP=1, INV_DOUBLING=True, GROUP=1,
          SUB_CHUNKS=16)
-build(M.chunk_kda_bwd_window_states_kernel, dict(c, BV=128, N_SUB=8, ROUND_STAGE=False), M.STATE_NUM_WARPS)
-build(M.chunk_kda_bwd_window_grads_kernel, dict(c, BV=M.GRADS_BLOCK_V), M.GRADS_NUM_WARPS)
+for fn, const, warps in ((M.chunk_kda_bwd_window_states_kernel, dict(c, BV=128, N_SUB=8, ROUND_STAGE=False),
+                          M.STATE_NUM_WARPS),
+                         (M.chunk_kda_bwd_window_grads_kernel, dict(c, BV=M.GRADS_BLOCK_V), M.GRADS_NUM_WARPS)):
+    assert "mma" in build(fn, const, warps).asm["ptx"]
+    print("built", fn.__name__)
 """
 
 
@@ -380,7 +358,8 @@ def test_windowed_kernels_compile_for_sm90():
     env.pop("TRITON_INTERPRET", None)
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=root)
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr.lower():
         pytest.skip("triton's bundled ptxas is missing, cannot build for sm_90a")
     assert res.returncode == 0, res.stderr[-3000:]
