@@ -90,6 +90,8 @@ def decode_launch_config(N: int, tokens: float, HV: int, V: int) -> tuple[int, i
     if tokens == 1 and N * HV * triton.cdiv(V, WIDE_DECODE_BLOCK_V) >= WIDE_DECODE_MIN_PROGRAMS:
         return WIDE_DECODE_BLOCK_V, WIDE_DECODE_NUM_WARPS
     return DECODE_BLOCK_V, DECODE_NUM_WARPS
+
+
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 

@@ -16,7 +16,6 @@ never read.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
