@@ -137,13 +137,16 @@ def exact_qk_kk(q, k, G, C: tl.constexpr):
 def exact_pairwise_bwd(dAqk, dAkk, q, k, G, C: tl.constexpr):
     """Gradients of Aqk (x = q) and Araw (x = k) through the EXACT pairwise form. -> (dq, dk, dG) [C, BK].
 
-    For column j: dx_i += dA_ij k_j E_ij; dk_j += sum_i dA_ij x_i E_ij; dG_i += dA_ij x_i k_j E_ij,
-    dG_j -= the same summed over i.
+    With E_ij = exp(G_i - G_j) (j <= i): the query-side terms dx_i = sum_j dA_ij k_j E_ij and the
+    key-side terms dk_j = sum_i (dAqk_ij q_i + dAkk_ij k_i) E_ij, in two loops over the columns j;
+    the decay gradient follows from them, dG = q dq + k dk_query - k dk_key, since each pair's
+    dA_ij x_i k_j E_ij enters dG_i with + and dG_j with -. (One loop carrying dq, dk and dG made the
+    8-warp sm_90a build of the window-gradient kernel fall back to 32 registers: see
+    ``chunk_bwd_windowed.GRADS_EXACT_NUM_WARPS``.)
     """
     r = tl.arange(0, C)
     dq = tl.zeros(q.shape, dtype=tl.float32)
-    dk = tl.zeros(q.shape, dtype=tl.float32)
-    dG = tl.zeros(q.shape, dtype=tl.float32)
+    dkq = tl.zeros(q.shape, dtype=tl.float32)
     for j in range(C):
         Gj = row_of(G, j, C)
         kj = row_of(k, j, C)
@@ -152,17 +155,21 @@ def exact_pairwise_bwd(dAqk, dAkk, q, k, G, C: tl.constexpr):
         is_j = (r == j)[None, :]
         cq = tl.sum(tl.where(is_j, dAqk, 0.0), axis=1)  # [C] column j
         ck = tl.sum(tl.where(is_j, dAkk, 0.0), axis=1)
-        Pq = cq[:, None] * E
-        Pk = ck[:, None] * E
-        dq += Pq * kj[None, :]
-        dk += Pk * kj[None, :]
-        t = Pq * q + Pk * k  # [C, BK]
-        tsum = tl.sum(t, axis=0)  # [BK]: d k_j
-        dG += t * kj[None, :]
-        row_j = (r == j)[:, None]
-        dk += tl.where(row_j, tsum[None, :], 0.0)
-        dG -= tl.where(row_j, (tsum * kj)[None, :], 0.0)
-    return dq, dk, dG
+        kE = kj[None, :] * E
+        dq += cq[:, None] * kE
+        dkq += ck[:, None] * kE
+    dkk = tl.zeros(q.shape, dtype=tl.float32)
+    for j in range(C):
+        Gj = row_of(G, j, C)
+        keep = (r >= j)[:, None]
+        E = tl.where(keep, tl.exp(tl.where(keep, G - Gj[None, :], 0.0)), 0.0)  # [C, BK]
+        is_j = (r == j)[None, :]
+        cq = tl.sum(tl.where(is_j, dAqk, 0.0), axis=1)
+        ck = tl.sum(tl.where(is_j, dAkk, 0.0), axis=1)
+        tsum = tl.sum((cq[:, None] * q + ck[:, None] * k) * E, axis=0)  # [BK]: d k_j
+        dkk += tl.where((r == j)[:, None], tsum[None, :], 0.0)
+    dG = q * dq + k * dkq - k * dkk
+    return dq, dkq + dkk, dG
 
 
 @triton.jit

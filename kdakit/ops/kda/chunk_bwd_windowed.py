@@ -455,6 +455,12 @@ def chunk_kda_bwd_window_grads_kernel(
 # as its left operand is held whole by every warp.
 GRADS_BLOCK_V = 32
 GRADS_NUM_WARPS = 4
+# The EXACT gate path (unbounded softplus gate; FLA's layer default) at 8 warps. sm_90a builds (ptxas -O3,
+# K = 128, bf16): at 4 warps ptxas falls back to 32 registers with 15-17 KB of spill code, with the
+# pairwise backward in one column loop or in two; at 8 warps the one-loop form still does (13 KB), the
+# two-loop form (exact_pairwise_bwd) takes 128 registers and 4.6 KB. The H200 ran the 4-warp one-loop
+# build at 2.25 ms a 16-token program (results/profile_layer_32k_h200.txt), ~40x the safe path's.
+GRADS_EXACT_NUM_WARPS = 8
 GRADS_NUM_STAGES = 1
 STATE_NUM_WARPS = 4  # the sequential stages (one [K, BV] state tile, BV = state_block_v)
 # Tuning overrides of the sequential stages' value block (None: state_block_v's one-wave rule);
@@ -558,7 +564,7 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
             ddt_part if ddt_part is not None else dummy,
             win, scale, lower_bound, T, H, HV, K, V,
             C=C, BK=BK, BV=BVG, SUB_CHUNKS=sub, GROUP=HV // H, **seq, GRAD_PREC=grad_prec, GRAD_OP=grad_op,
-            num_warps=GRADS_NUM_WARPS, num_stages=GRADS_NUM_STAGES)
+            num_warps=GRADS_NUM_WARPS if consts["SAFE"] else GRADS_EXACT_NUM_WARPS, num_stages=GRADS_NUM_STAGES)
     del ws_win, ws_s, ws_ds, carry
     if lean:
         del ws_aqk, ws_gc
