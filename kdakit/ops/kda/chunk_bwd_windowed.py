@@ -458,8 +458,9 @@ GRADS_NUM_WARPS = 4
 # The EXACT gate path (unbounded softplus gate; FLA's layer default) at 8 warps. sm_90a builds (ptxas -O3,
 # K = 128, bf16): at 4 warps ptxas falls back to 32 registers with 15-17 KB of spill code, with the
 # pairwise backward in one column loop or in two; at 8 warps the one-loop form still does (13 KB), the
-# two-loop form (exact_pairwise_bwd) takes 128 registers and 4.6 KB. The H200 ran the 4-warp one-loop
-# build at 2.25 ms a 16-token program (results/profile_layer_32k_h200.txt), ~40x the safe path's.
+# two-loop form (exact_pairwise_bwd) takes 128 registers and 4.6 KB. H200, 1 x 32K H16: 2.25 ms a launch
+# for the 4-warp one-loop build (results/profile_layer_32k_h200.txt), 0.56 ms for this one
+# (results/profile_softplus_32k_h200.json).
 GRADS_EXACT_NUM_WARPS = 8
 GRADS_NUM_STAGES = 1
 STATE_NUM_WARPS = 4  # the sequential stages (one [K, BV] state tile, BV = state_block_v)
