@@ -31,7 +31,7 @@
 #   end      ~3 s           chunk_vs_fla.json (protocol join + sweep join), autotune_new.json, triton_autotune.tgz
 #
 #   bash benchmarks/run_gpu.sh [STAGE ...]   stages run in the order given:
-#       env warm chunk fla sweep profile chunk64 tests recurrent tune tunecompile flawarm wait
+#       env warm chunk fla sweep profile chunk64 tests recurrent layer tune tunecompile flawarm wait
 #       (default: env warm chunk fla sweep profile tests)
 #   env       env.json (GPU, torch, triton, CUDA, FLA, python, git sha, date)
 #   warm      the correctness gate (gate.json) in the foreground; in the background FLA's
@@ -50,6 +50,8 @@
 #             counts, and at 60 s the 2026-12-01 run lost six tests to it or to failures it could not tell
 #             apart), one line per test so a cut run shows how far it got
 #   recurrent decode and recurrent fwd+bwd benchmark (bench_recurrent.py)
+#   layer     kdakit's KimiDeltaAttention against FLA's (needs .whl/layer): the GPU comparison test,
+#             bench_layer.py at LAYER_TOKENS (131072) and examples/train_tiny.py --device cuda (TRAIN_TINY_ARGS)
 #   tune      launch-config sweep of the windowed backward (tune_windowed.py); tunecompile only
 #             compiles its variants (parallel processes)
 #   flawarm   FLA's autotuning only, in the background, one process per head count of FLA_SHAPES;
@@ -89,6 +91,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+# FLA's layer (fla.layers, in flash-linear-attention, which needs einops and transformers) for the `layer`
+# stage: wheels in .whl/layer (pip download -d .whl/layer flash-linear-attention==0.6.0 with its
+# dependencies, for the device's Python), installed into the device's environment, so that what it already
+# has (torch, numpy, ...) stays as it is and only the missing packages come from the carried wheels.
+if ls .whl/layer/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-cache-dir --find-links .whl/layer --find-links .whl \
+        flash-linear-attention==0.6.0 >"$OUT/pip_layer.log" 2>&1 \
+        || echo "run_gpu.sh: installing FLA's layer failed (see pip_layer.log)" | tee -a "$OUT/stages.log"
+fi
 # Autotune results are cached on disk so each fresh measurement process reuses them. Triton keeps
 # them at $TRITON_CACHE_DIR/<base32 of the tuning hash>/<kernel>.autotune.json; the carried archive
 # holds exactly those relative paths (./<hash>/<kernel>.autotune.json), so it unpacks in place.
@@ -242,6 +253,24 @@ stage_recurrent() {
     return "${PIPESTATUS[0]}"
 }
 
+stage_layer() {
+    # kdakit's layer against FLA's: the GPU test that compares them, bench_layer at LAYER_TOKENS (both
+    # backends, a fresh process each) and train_tiny --device cuda (both layers, same weights and data).
+    local lim=$1 t0 r=0
+    t0=$(date +%s)
+    KDAKIT_TEST_TIER=gpu timeout -k 5 $(( lim / 6 )) python3 -m pytest -q -m gpu -rs --timeout=120 \
+        tests/gpu/nn/test_nn_layer_gpu.py -k against_fla 2>&1 | tee "$OUT/layer_vs_fla_test.log" | tail -n 5
+    [ "${PIPESTATUS[0]}" -eq 0 ] || r=1
+    timeout -k 5 $(( lim / 3 )) python3 benchmarks/bench_layer.py --tokens "${LAYER_TOKENS:-131072}" \
+        --backends kdakit,fla --timeout $(( lim / 6 )) --out "$OUT/layer.json" 2>&1 | tee -a "$OUT/run.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || r=1
+    # shellcheck disable=SC2086
+    timeout -k 5 $(( lim - ($(date +%s) - t0) - 5 )) python3 examples/train_tiny.py --device cuda --quiet \
+        --out "$OUT/train_tiny" ${TRAIN_TINY_ARGS:-} 2>&1 | tee "$OUT/train_tiny.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || r=1
+    return "$r"
+}
+
 stage_tune() {
     timeout -k 5 "$1" python3 benchmarks/tune_windowed.py --out "$OUT/tune_windowed.json" 2>&1 | tee -a "$OUT/run.log"
     return "${PIPESTATUS[0]}"
@@ -271,7 +300,7 @@ stage_wait() {
 }
 
 declare -A DEFAULT_LIMIT=([env]=10 [warm]=160 [chunk]=100 [fla]=150 [sweep]=80 [profile]=20 [chunk64]=150 [tests]=rest
-                          [recurrent]=150 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest)
+                          [recurrent]=150 [layer]=300 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest)
 for s in "${stages[@]}"; do
     if [ -z "${DEFAULT_LIMIT[$s]+x}" ]; then
         echo "run_gpu.sh: unknown stage '$s' (skipped)" | tee -a "$OUT/stages.log"

@@ -314,11 +314,13 @@ def write_curve(out_dir: str, losses: list[float], chance: float, title: str) ->
 
 # The defaults that --device picks for the options left unset. CPU: about a minute on one core (the ops are
 # small, so one thread is as fast and far steadier on a shared machine); two 64-token chunks, so the state
-# crosses a chunk boundary. CUDA: long context, a wider model (head dim 128), the same task spread over 64K tokens.
+# crosses a chunk boundary. CUDA: long context, a wider model (head dim 128), the pairs followed by 32640 query
+# slots over 64K tokens. (1024 pairs with 1024 queries, over 30 steps, stayed at chance on the H200:
+# benchmarks/results/train_tiny_cuda_h200_9878ce6.log.)
 DEVICE_DEFAULTS = {
     "cpu": dict(seq=128, batch=8, steps=300, vocab=64, pairs=16, queries="fill", dim=64, heads=2, head_dim=32,
                 dtype="fp32", threads=1, lr=1e-2),
-    "cuda": dict(seq=65536, batch=1, steps=30, vocab=8192, pairs=1024, queries=1024, dim=512, heads=4,
+    "cuda": dict(seq=65536, batch=1, steps=150, vocab=1024, pairs=256, queries="fill", dim=512, heads=4,
                  head_dim=128, dtype="bf16", threads=None, lr=3e-3),
 }
 
@@ -472,7 +474,7 @@ def _compare_fla(args, device, dtype, res, initial) -> list[dict]:
             importlib.import_module("fla.layers.kda")
         except Exception as exc:  # ImportError, or FLA failing to import on this setup
             print(f"train_tiny: FLA comparison skipped: fla.layers.kda is not importable ({type(exc).__name__}: "
-                  f"{exc}); install FLA (pip install fla-core) to compare")
+                  f"{exc}); install FLA (pip install flash-linear-attention, which holds fla.layers) to compare")
         else:
             try:
                 fla_res = _measure(args, "fla", device, dtype, state=initial, quiet=args.quiet)
