@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from timing import median_ms  # noqa: E402
 CONFIG = dict(hidden_size=2048, expand_v=1, head_dim=128, num_heads=16, layer_idx=0)
 GIB = 2.0 ** 30
 
@@ -76,23 +77,12 @@ def worker(backend: str, T: int, runs: int, warmup: int) -> dict:
            "peak_alloc_gib": (torch.cuda.max_memory_allocated() - base) / GIB,
            "baseline_alloc_gib": base / GIB, "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
 
-    def timed(fn):
-        times = []
-        for _ in range(runs):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
-
     def forward():
         with torch.no_grad():
             layer(x)
 
-    out["fwd_ms"] = timed(forward)
-    out["fwd_bwd_ms"] = timed(step)
+    out["fwd_ms"] = median_ms(forward, warmup=0, iters=runs, sync_each=True)
+    out["fwd_bwd_ms"] = median_ms(step, warmup=0, iters=runs, sync_each=True)
     if backend == "kdakit":
         out |= layer_floor(layer, T)
         out["peak_over_floor"] = out["peak_alloc_gib"] / out["floor_gib"]

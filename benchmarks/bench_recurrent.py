@@ -44,7 +44,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import traceback
@@ -63,6 +62,7 @@ from kdakit.ops.kda.workspace import Workspace  # noqa: E402
 from kdakit.testing import ErrorReport, error_report  # noqa: E402
 
 import bench_recurrent_cells as cells  # noqa: E402
+from timing import graphed, median_ms  # noqa: E402  (bench_recurrent_cells reads both from here)
 from bench_recurrent_cells import (  # noqa: E402
     SPEC_N,
     SPEC_S,
@@ -96,37 +96,6 @@ FLA_GATE_RATIO = 1e-2  # FLA keeps bf16 state unrounded within a step; it differ
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-
-def median_ms(fn, warmup: int, iters: int) -> float:
-    """Median of CUDA-event timings of ``fn`` after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def graphed(fn, warmup: int = 3):
-    """Capture ``fn`` (already warm on the capture stream) in a CUDA graph; returns replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    torch.cuda.synchronize()
-    return graph.replay, graph
-
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
     src = torch.empty(nbytes // 4, device=DEV).uniform_()
@@ -258,8 +227,9 @@ def bench_decode(N: int, pool_dtype: torch.dtype, copy_GBps: float, iters: int, 
     H, K, V = 32, 128, 128
     t, opts = _decode_inputs(N, H, K, V)
     P = N
-    pool = (0.3 * torch.randn(P, H, V, K, device=DEV)).to(pool_dtype)
-    idx = torch.randperm(P, device=DEV).to(torch.int32)
+    gen = torch.Generator(device=DEV).manual_seed(1)  # the same pool and rows every run (and in the sweep)
+    pool = (0.3 * torch.randn(P, H, V, K, device=DEV, generator=gen)).to(pool_dtype)
+    idx = torch.randperm(P, device=DEV, generator=gen).to(torch.int32)
     out = torch.empty_like(t["v"])
     state_bytes = 2 * N * H * V * K * pool.element_size()
     res = {"N": N, "H": H, "HV": H, "K": K, "V": V, "state_dtype": str(pool_dtype).replace("torch.", ""),

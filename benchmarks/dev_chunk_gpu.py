@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from profile_chunk import protocol_inputs  # noqa: E402  (the protocol's inputs, shared with the profiler)
+from timing import median_ms  # noqa: E402
 
 
 def accuracy(gate: str, T_lens, H: int, seed: int = 0) -> dict:
@@ -36,19 +37,7 @@ def accuracy(gate: str, T_lens, H: int, seed: int = 0) -> dict:
 
 def timed(fn, reps=10, warmup=2):
     """Median CUDA-event time of ``fn`` in ms over ``reps`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+    return median_ms(fn, warmup=warmup, iters=reps, sync_each=True)
 
 
 def kernel_times(fn, runs=3) -> dict:

@@ -32,7 +32,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_recurrent import _decode_inputs, environment, graphed, median_ms  # noqa: E402
+from bench_recurrent import _decode_inputs, environment  # noqa: E402
+from timing import graphed, median_ms  # noqa: E402
 from kdakit.ops.kda.chunk_common import round_to_bf16  # noqa: E402
 from kdakit.ops.kda.decode import kda_decode  # noqa: E402
 

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_chunk import parse_shapes  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 
 def protocol_inputs(mbs: int, seq: int, heads: int, d: int = 128, seed: int = 0):
@@ -70,17 +71,9 @@ def profile_one(mbs, seq, heads, steps, gate="safe"):
     rows = sorted(({"kernel": k, "calls_per_step": c / steps, "ms_per_step": t / steps / 1e3}
                    for k, (c, t) in per.items()), key=lambda r: -r["ms_per_step"])
     # Wall time of the same step by CUDA events, for the sum-of-kernels vs end-to-end gap.
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(steps):
-        start.record()
-        step(x, A_log, dt_bias, cu, do, gate)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
+    wall_ms = median_ms(lambda: step(x, A_log, dt_bias, cu, do, gate), warmup=0, iters=steps, sync_each=True)
     return {"shape": f"{mbs}x{seq}:{heads}", "gate": gate, "steps": steps,
-            "fwd_bwd_ms_median": times[len(times) // 2],
+            "fwd_bwd_ms_median": wall_ms,
             "kernel_ms_sum": sum(r["ms_per_step"] for r in rows), "kernels": rows}
 
 
