@@ -68,18 +68,19 @@ from kdakit.ops.kda.workspace import (
 # Configuration
 # ---------------------------------------------------------------------------------------------
 
-# Launch configs of the pool kernel (``decode_launch_config``). H200, HV=32, K=V=128, one token, CUDA-graph
-# replay. The token-loop kernel, swept (benchmarks/results/recurrent_sweep_h200.json, block_v 8-64 x 1-8
-# warps): at N=64 a [16, K] tile per one-warp program was the fastest; from N=256 on, [64, K] tiles on two
-# warps were (fp32 0.86-0.89 of a 4.27 TB/s copy vs 0.84, bf16 0.74-0.79 vs 0.72). The one-token path
-# (ONE_TOKEN), prototyped in benchmarks/dev_decode.py (results/dev_decode_h200.json): [16, K] on one warp
-# is the fastest at N=64 and at N=256 (bf16 N=256: 150 us against 169 for the loop kernel's [64, K]); N >= 1024
-# was not prototyped, so the wide tile stays from WIDE_DECODE_MIN_PROGRAMS programs (N=1024 at HV=32).
+# Launch configs of the pool kernel (``decode_launch_config``). Swept on the H200 (2026-12-01,
+# benchmarks/results/recurrent_sweep_h200.json: HV=32, K=V=128, one token, CUDA-graph replay, fraction of
+# a 4.27 TB/s device copy, block_v 8-64 x 1-8 warps): at N=64 a [16, K] tile per one-warp program is the
+# fastest (fp32 0.81, bf16 0.69); from N=256 on, [64, K] tiles on two warps are (fp32 0.86-0.89 vs
+# 0.84 for the small tile, bf16 0.74-0.79 vs 0.72). The rule: the wide tile once its grid has
+# WIDE_DECODE_MIN_PROGRAMS programs (N=256 at HV=32 gives 16384), for one-token steps only (longer
+# steps were not swept). A loop-free one-token path with the small tile below N=1024, faster as a
+# prototype, was slower as part of this kernel and was taken out (docs/perf_notes.md, "Decode").
 DECODE_BLOCK_V = 16
 DECODE_NUM_WARPS = 1
 WIDE_DECODE_BLOCK_V = 64
 WIDE_DECODE_NUM_WARPS = 2
-WIDE_DECODE_MIN_PROGRAMS = 65536
+WIDE_DECODE_MIN_PROGRAMS = 16384
 
 
 def decode_launch_config(N: int, tokens: float, HV: int, V: int) -> tuple[int, int]:
@@ -107,28 +108,6 @@ WRITE_PER_TOKEN_PACKED = 2   # the state after packed token t to row t of ht (FL
 WRITE_NONE = 3
 
 
-@triton.jit
-def _token_update(S, b_q, b_k, b_g, b_v, b_beta, A_log, dt_bias, i_hv, offs_k, mask_k, scale, lower_bound,
-                  K: tl.constexpr, ROUND_STATE: tl.constexpr, NATIVE_ROUND: tl.constexpr, L2NORM: tl.constexpr,
-                  GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr):
-    """One token's step of the ``[BV, BK]`` state tile S from its raw inputs. -> (S, o [BV] before masking)."""
-    b_q = qk_activation(b_q, L2NORM)                                                      # [BK]
-    b_k = qk_activation(b_k, L2NORM)                                                      # [BK]
-    b_a = log_decay(b_g, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound, K, GATE, HAS_A, HAS_BIAS)
-    b_beta = beta_value(b_beta, BETA)
-    S = S * tl.exp(b_a)[None, :]                                                          # S' = D S
-    b_u = b_beta * (b_v - tl.sum(S * b_k[None, :], axis=1))                               # [BV]
-    S = S + b_u[:, None] * b_k[None, :]
-    if ROUND_STATE:
-        if NATIVE_ROUND:
-            # the GPU's round-to-nearest-even cast, one instruction per two elements (the integer
-            # recipe, which the interpreter needs, made a bf16 step at N = 64 2 % slower)
-            S = S.to(tl.bfloat16).to(tl.float32)
-        else:
-            S = round_to_bf16(S)
-    return S, scale * tl.sum(S * b_q[None, :], axis=1)
-
-
 @triton.jit(do_not_specialize=["T", "P_read", "P_write"])
 def _pool_recurrent_kernel(
     q, k, v, g, beta, A_log, dt_bias, h0, ht, state_indices, num_accepted, o, cu_seqlens,
@@ -138,7 +117,7 @@ def _pool_recurrent_kernel(
     HAS_INDICES: tl.constexpr, USE_H0: tl.constexpr, WRITE: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
     ROUND_STATE: tl.constexpr, ROUND_STORE: tl.constexpr, STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
-    ONE_TOKEN: tl.constexpr, NATIVE_ROUND: tl.constexpr,
+    NATIVE_ROUND: tl.constexpr,
 ):
     i_nh = tl.program_id(0)  # N * HV on axis 0: axes 1 and 2 hold at most 65535 programs
     i_v = tl.program_id(1).to(tl.int64)
@@ -180,21 +159,29 @@ def _pool_recurrent_kernel(
     if USE_H0:
         S += tl.load(h0 + slot * h0_row_stride + offs_s, mask=mask_s, other=0.0).to(tl.float32)
 
-    if ONE_TOKEN:
-        # one token a sequence, fixed length: no token loop and no next-token prefetch (H200, N = 64,
-        # bf16 pool: 43.3 us against 45.4 for the loop at the same [16, K] tile; dev_decode_h200.json)
-        S, b_o = _token_update(S, n_q, n_k, n_g, n_v, n_b, A_log, dt_bias, i_hv, offs_k, mask_k, scale,
-                               lower_bound, K, ROUND_STATE, NATIVE_ROUND, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
-        tl.store(o + (bos * HV + i_hv) * V + offs_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=mask_v)
-        eos = bos  # the loop below has nothing left to run
     t = bos
     while t < eos:
         b_q, b_k, b_g, b_v, b_beta = n_q, n_k, n_g, n_v, n_b
         n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, t + 1, eos, i_h, i_hv, offs_k, mask_k,
                                                  offs_v, mask_v, H, HV, K, V)
         hv_row = t * HV + i_hv
-        S, b_o = _token_update(S, b_q, b_k, b_g, b_v, b_beta, A_log, dt_bias, i_hv, offs_k, mask_k, scale,
-                               lower_bound, K, ROUND_STATE, NATIVE_ROUND, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
+        b_q = qk_activation(b_q, L2NORM)                                                  # [BK]
+        b_k = qk_activation(b_k, L2NORM)                                                  # [BK]
+        b_a = log_decay(b_g, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound, K, GATE, HAS_A, HAS_BIAS)
+        b_beta = beta_value(b_beta, BETA)
+
+        S = S * tl.exp(b_a)[None, :]                                                      # S' = D S
+        b_u = b_beta * (b_v - tl.sum(S * b_k[None, :], axis=1))                           # [BV]
+        S = S + b_u[:, None] * b_k[None, :]
+        if ROUND_STATE:
+            if NATIVE_ROUND:
+                # the GPU's round-to-nearest-even cast (one instruction per two elements); the integer
+                # recipe, which the interpreter needs, gives the same bits for finite values and made a
+                # one-token bf16 step at N = 64 2 % slower (43.3 vs 42.5 us, results/dev_decode_h200.json)
+                S = S.to(tl.bfloat16).to(tl.float32)
+            else:
+                S = round_to_bf16(S)
+        b_o = scale * tl.sum(S * b_q[None, :], axis=1)                                    # [BV]
         b_o = tl.where(valid, b_o, 0.0)
         tl.store(o + hv_row * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
         if WRITE == 1:
@@ -259,9 +246,7 @@ def launch_pool_recurrent(q, k, v, g, beta, o, *, h0, ht, state_indices, num_acc
         H=H, HV=HV, K=K, V=V, IDX_COLS=idx_cols, BK=BK, BV=BV,
         HAS_INDICES=idx is not None, USE_H0=h0 is not None, WRITE=write, HAS_ACCEPTED=acc is not None,
         ROUND_STATE=round_state, ROUND_STORE=round_store, STATE_V_FIRST=state_v_first,
-        IS_VARLEN=cu_seqlens is not None, L2NORM=use_qk_l2norm_in_kernel,
-        ONE_TOKEN=cu_seqlens is None and T == 1 and write in (WRITE_FINAL_TO_READ_ROW, WRITE_NONE),
-        NATIVE_ROUND=not triton_interpreting(),
+        IS_VARLEN=cu_seqlens is not None, L2NORM=use_qk_l2norm_in_kernel, NATIVE_ROUND=not triton_interpreting(),
         GATE=gate_mode(use_gate_in_kernel, lower_bound), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
         BETA=beta_mode(use_beta_sigmoid_in_kernel, allow_neg_eigval), num_warps=num_warps,
     )

@@ -303,8 +303,7 @@ def test_decode_launch_config_rule():
 
     small, wide = (DECODE_BLOCK_V, DECODE_NUM_WARPS), (WIDE_DECODE_BLOCK_V, WIDE_DECODE_NUM_WARPS)
     assert decode_launch_config(64, 1, 32, 128) == small   # 4096 programs of the wide tile
-    assert decode_launch_config(256, 1, 32, 128) == small  # 16384: the one-token path's small tile is faster
-    assert decode_launch_config(1024, 1, 32, 128) == wide  # 65536
+    assert decode_launch_config(256, 1, 32, 128) == wide   # 16384
     assert decode_launch_config(4096, 1, 32, 128) == wide
     assert decode_launch_config(4096, 2, 32, 128) == small  # speculative / multi-token steps: not swept
     assert decode_launch_config(4096, 1.5, 32, 128) == small
