@@ -41,6 +41,14 @@ class KDAShape:
     seqlens: tuple[int, ...] | None = None
 
 
+def metadata_shape(q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> KDAShape:
+    """``KDAShape`` from metadata alone: no check, no read (``seqlens`` is None). For a CUDA-graph capture
+    of a call that an eager warm call validated, where reading ``cu_seqlens`` is illegal."""
+    B, T, H, K = q.shape
+    return KDAShape(B=B, T=T, H=H, HV=v.shape[2], K=K, V=v.shape[3],
+                    N=B if cu_seqlens is None else cu_seqlens.numel() - 1)
+
+
 def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
