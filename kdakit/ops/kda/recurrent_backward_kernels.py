@@ -364,7 +364,7 @@ def launch_recurrent_backward(
     A = A_log if A_log is not None else dummy
     bias = dt_bias if dt_bias is not None else dummy
     cu = cu_seqlens if cu_seqlens is not None else dummy
-    flags = dict(IS_VARLEN=cu_seqlens is not None, **opts.recurrent_constexprs())
+    passes = dict(IS_VARLEN=cu_seqlens is not None, **opts.recurrent_constexprs())  # the two token passes
     grid = (N * HV, NV)
 
     # 1. replay: u_t
@@ -375,7 +375,7 @@ def launch_recurrent_backward(
         q, k, g, beta, A, bias, do, dht if dht is not None else dummy, buf["ud"], grads.dv,
         grads.dh0 if grads.dh0 is not None else dummy, buf["dk_part"], cu,
         scale, lb, T, TT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        HAS_DHT=dht is not None, STORE_DH0=grads.dh0 is not None, **flags, num_warps=BWD_NUM_WARPS,
+        HAS_DHT=dht is not None, STORE_DH0=grads.dh0 is not None, **passes, num_warps=BWD_NUM_WARPS,
     )
     # 3. replay with adjoint terms: partial dq, dk, Z, dbeta, rowsum(dht * S_T)
     _recurrent_bwd_replay_kernel[grid](
@@ -383,7 +383,7 @@ def launch_recurrent_backward(
         dht if dht is not None else dummy, buf["ud"], buf["dq_part"], buf["dk_part"], buf["z_part"],
         buf["dbeta_part"], buf["term_part"], cu, scale, lb, T, TT,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_H0=initial_state is not None, HAS_DHT=dht is not None,
-        **flags, num_warps=BWD_NUM_WARPS,
+        **passes, num_warps=BWD_NUM_WARPS,
     )
     # 4. dq, dk (token-parallel)
     _recurrent_bwd_qk_kernel[(triton.cdiv(TT, REDUCE_BLOCK_T), H)](
