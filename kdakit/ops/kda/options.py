@@ -40,6 +40,9 @@ class KDAOptions:
     False without ``use_gate_in_kernel`` (FLA reads A_log, dt_bias and lower_bound only for it);
     ``output_final_state`` says whether the kernels produce final states. The encodings after them are
     computed from those fields on construction and never again.
+
+    ``shape`` is the whole call's; a launch on part of it (a segment of the recurrent backward) reads its
+    sizes off its own tensors. Tensors are not held: they travel beside the object (autograd saves them).
     """
 
     shape: KDAShape

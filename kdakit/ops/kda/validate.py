@@ -154,6 +154,10 @@ def validate_kda_inputs(
 ) -> KDAShape:
     """Check the full ``chunk_kda`` / ``fused_recurrent_kda`` contract (docs/spec.md §2).
 
+    ``chunk_kda``, ``fused_recurrent_kda`` and ``recurrent_kda_backward`` call it through
+    ``options.kda_options``, which adds the call's options and their kernel encodings to the returned
+    shape (one frozen ``KDAOptions``); ``kda_decode`` and the serving path still call it directly.
+
     ``cu_seqlens_cpu`` (FLA 0.6.0's argument): a CPU int32/int64 tensor holding the same offsets
     as ``cu_seqlens``. When given, its values are checked (start 0, non-decreasing, end at T) and
     the sequence lengths come from it; ``cu_seqlens`` gets only its metadata checked (dtype,

@@ -15,6 +15,7 @@ import kdakit.ops.kda.fused_recurrent as fused_recurrent
 import kdakit.ops.kda.options as options
 import kdakit.ops.kda.recurrent_backward as recurrent_backward
 import kdakit.ops.kda.recurrent_backward_kernels as recurrent_backward_kernels
+import kdakit.ops.kda.recurrent_backward_segmented as recurrent_backward_segmented
 from kdakit import chunk_kda, fused_recurrent_kda
 from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND, GATE_NONE, GATE_SOFTPLUS
 from kdakit.ops.kda.options import KDAOptions, kda_options
@@ -115,11 +116,11 @@ def _record(monkeypatch, module, name, seen):
     monkeypatch.setattr(module, name, wrapped)
 
 
-@pytest.mark.parametrize("gate", [False, True])
-def test_chunk_launchers_take_the_one_object(monkeypatch, gate):
+@pytest.mark.parametrize("gate,H", [(False, 1), (True, 2)])
+def test_chunk_launchers_take_the_one_object(monkeypatch, gate, H):
     monkeypatch.setenv("KDAKIT_BACKEND", "triton")
     monkeypatch.delenv("KDAKIT_CHUNK_PIPELINE", raising=False)
-    (q, k, v, g, beta), A_log, dt_bias = _inputs(T=40)
+    (q, k, v, g, beta), A_log, dt_bias = _inputs(T=40, H=H)  # H == HV: the backward's lean window stages
     if not gate:
         g = -torch.rand_like(g)
     leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
@@ -133,9 +134,29 @@ def test_chunk_launchers_take_the_one_object(monkeypatch, gate):
                          use_qk_l2norm_in_kernel=True, output_final_state=True)
     (o.sum() + final.sum()).backward()
     assert len(built) == 1, "the options are decided once per call"
-    names = [n for n, _ in seen]
-    assert {"chunk_kda_fwd", "chunk_kda_fwd_intra", "chunk_kda_bwd", "run_windowed"} <= set(names)
+    names = {n for n, _ in seen}
+    assert names == {"chunk_kda_fwd", "chunk_kda_fwd_intra", "chunk_kda_bwd", "run_windowed"} | (
+        {"run_lean_window_states"} if H == 2 else set())
     assert all(opts is built[0] for _, opts in seen)
+
+
+def test_chunk64_options_are_derived_from_the_one_object(monkeypatch):
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    monkeypatch.setenv("KDAKIT_CHUNK_PIPELINE", "chunk64")
+    (q, k, v, g, beta), A_log, dt_bias = _inputs(T=70)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    built, seen = _count_builds(monkeypatch), []
+    for name in ("chunk_kda_fwd64", "chunk_kda_bwd64"):
+        _record(monkeypatch, chunk_triton, name, seen)
+    o, _ = chunk_kda(*leaves, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-6.0,
+                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    o.sum().backward()
+    assert len(built) == 1 and [n for n, _ in seen] == ["chunk_kda_fwd64", "chunk_kda_bwd64"]
+    for _, o64 in seen:
+        kda = built[0]
+        assert o64.kda is kda
+        assert (o64.scale, o64.lower_bound, o64.safe, o64.N) == (kda.scale, -6.0, False, 1)
+        assert {n: o64.constexprs[n] for n in kda.intra_constexprs()} == kda.intra_constexprs()
 
 
 def test_recurrent_launchers_take_the_one_object(monkeypatch):
@@ -145,6 +166,7 @@ def test_recurrent_launchers_take_the_one_object(monkeypatch):
     built, seen = _count_builds(monkeypatch), []
     for module, name in ((fused_recurrent, "launch_recurrent_forward"), (fused_recurrent, "run_recurrent_backward"),
                          (recurrent_backward, "launch_recurrent_backward"),
+                         (recurrent_backward, "launch_segmented_backward"),
                          (recurrent_backward_kernels, "launch_recurrent_forward")):
         _record(monkeypatch, module, name, seen)
     o, final = fused_recurrent_kda(*leaves, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
@@ -153,6 +175,17 @@ def test_recurrent_launchers_take_the_one_object(monkeypatch):
     assert len(built) == 1, "the options are decided once per call"
     assert [n for n, _ in seen] == ["launch_recurrent_forward", "run_recurrent_backward",
                                     "launch_recurrent_backward", "launch_recurrent_forward"]
+    assert all(opts is built[0] for _, opts in seen)
+    # the segmented backward (sequences longer than segment_tokens) hands the same object to every segment
+    built.clear()
+    seen.clear()
+    for name in ("launch_recurrent_forward", "launch_recurrent_backward"):
+        _record(monkeypatch, recurrent_backward_segmented, name, seen)
+    recurrent_backward.recurrent_kda_backward(q, k, v, g, beta, torch.randn_like(v), A_log=A_log, dt_bias=dt_bias,
+                                              use_gate_in_kernel=True, segment_tokens=5)
+    names = [n for n, _ in seen]
+    assert len(built) == 1
+    assert names[0] == "launch_segmented_backward" and names.count("launch_recurrent_backward") == 3  # 12 / 5
     assert all(opts is built[0] for _, opts in seen)
 
 
