@@ -4,9 +4,11 @@ The public ops (``chunk_kda``, ``fused_recurrent_kda``, ``recurrent_kda_backward
 FLA arguments; every launcher below them (chunk forward and backward, the 64-token pipeline, the recurrent
 forward and backward) takes it whole and reads the kernel encodings from it (``GATE``, the beta mode,
 the SAFE pairwise path, the lower bound and the scale in kernel form), so nothing is re-derived on the
-way down and no option travels loose. Only the custom-op schemas (``custom_ops.py``) flatten the options,
-since a schema holds plain values; each op's implementation calls the public op, which builds the object
-again with this one function.
+way down and no option travels loose. Two places flatten it, on purpose: the custom-op schemas
+(``custom_ops.py``, ``compiled.py``), since a schema holds plain values (each op's implementation calls the
+public op, which builds the object again with this one function), and the PyTorch references, which keep
+FLA's keyword arguments (``KDAOptions.reference_kwargs``). ``kda_decode`` and the serving path
+(``decode.py``) do not take it yet.
 
 What depends on the tensors of a launch rather than on the options (``IS_VARLEN``, since the recurrent
 backward's segments carry their own offsets; dot precisions from the dtype) stays with the launcher.

@@ -25,6 +25,8 @@ recurrence from the initial state.
 Layering (no module imports one that imports it back): this module imports no other recurrent
 module; ``recurrent_backward_kernels``, ``recurrent_backward_segmented`` and ``decode`` build on
 it, and ``recurrent_backward`` / ``fused_recurrent`` (the public ops, autograd) on all of them.
+``options`` (a call's ``KDAOptions``) imports its beta modes, so the launcher here takes that object
+without importing its class.
 """
 
 from __future__ import annotations
