@@ -36,8 +36,7 @@ class ChunkKDATritonFunction(torch.autograd.Function):
             ctx.opts64 = chunk64_options(opts, q, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
                                          seqlens=seqlens, tensors=dict(q=q, k=k, v=v, g=g, beta=beta))
             o, final = chunk_kda_fwd64(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                                       output_final_state=opts.output_final_state, cu_seqlens=cu_seqlens,
-                                       seqlens=seqlens, opts=ctx.opts64)
+                                       cu_seqlens=cu_seqlens, seqlens=seqlens, opts=ctx.opts64)
             ckpts = offsets = None
         else:
             # One offsets tensor, from the planned lengths (no device read), serves forward and backward.
