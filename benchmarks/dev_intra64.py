@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--forward", action="store_true", help="also time chunk_kda's forward (no grad) on both pipelines")
     a = ap.parse_args()
     from kdakit.ops.kda.chunk_prep64 import chunk64_options, chunk64_tables
+    from kdakit.ops.kda.options import kda_options
 
     mbs_seq, heads = a.shape.split(":")
     mbs, seq = (int(s) for s in mbs_seq.split("x"))
@@ -70,8 +71,9 @@ def main():
     flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                  allow_neg_eigval=False, safe_gate=True, lower_bound=-5.0, state_v_first=False)
     q, k, v, g, beta = (x[n].detach() for n in ("q", "k", "v", "g", "beta"))
-    opts = chunk64_options(q, v, scale=q.shape[-1] ** -0.5, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
-                           seqlens=seqlens, tensors=dict(q=q, k=k, v=v, g=g, beta=beta), **flags)
+    call = kda_options(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, **flags)
+    opts = chunk64_options(call, q, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, seqlens=seqlens,
+                           tensors=dict(q=q, k=k, v=v, g=g, beta=beta))
     pairs, _ = chunk64_tables(opts, seqlens, q.device)
     out = torch.empty_like(v)
     res = {"gpu": torch.cuda.get_device_name(), "git_sha": os.environ.get("KDAKIT_GIT_SHA", "unknown"),

@@ -24,7 +24,8 @@ from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.chunk_reference import chunked_kda_reference, chunked_kda_reference_states
 from kdakit.ops.kda.compiled import chunk_kda_via_op
 from kdakit.ops.kda.state_pool import gather_pool_rows, scatter_pool_rows, zero_padded_outputs
-from kdakit.ops.kda.validate import check_state_pool, flat_gate_params, validate_kda_inputs
+from kdakit.ops.kda.options import kda_options
+from kdakit.ops.kda.validate import check_state_pool, flat_gate_params
 from kdakit.ops.kda.workspace import check_capturable_offsets, is_capturing
 
 # FLA 0.6.0 options kdakit does not implement; each raises if set to a non-default value.
@@ -183,31 +184,24 @@ def chunk_kda(
     if state_indices is not None:
         pool, initial_state = initial_state, None
 
-    shape = validate_kda_inputs(
+    # A pool call always produces final states: they are scattered back into the pool.
+    opts = kda_options(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state or pool is not None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
         A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, engine_gate_shapes=True,
     )
+    shape = opts.shape
     A_log, dt_bias = flat_gate_params(A_log, dt_bias)  # engine shapes -> the [HV] / [HV * K] views the kernels read
     if state_indices is not None:  # check_state_pool refuses a missing pool too
         host = check_state_pool(pool, state_indices, shape, state_v_first=state_v_first, device=q.device,
                                 check_values=check_indices and not capturing)
         initial_state, valid = gather_pool_rows(pool, state_indices, host)
-    if scale is None:
-        scale = shape.K ** -0.5
     if not use_gate_in_kernel:
         A_log = dt_bias = None
-    out_state = output_final_state or pool is not None
-    kwargs = dict(
-        scale=float(scale), A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-        output_final_state=out_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound if use_gate_in_kernel else None,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        checkpoint_every_n_tokens=checkpoint_every_n_tokens,
-    )
+    tensors = dict(A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu_seqlens)
     backend = select_backend(q.device)
     if backend == "triton" and chunk_size not in (None, 16):
         raise ValueError(f"chunk_size={chunk_size} is for the PyTorch path; the Triton kernels use 16-token chunks "
@@ -217,20 +211,20 @@ def chunk_kda(
         from kdakit.ops.kda.chunk_triton import chunk_kda_triton, chunk_kda_triton_states
 
         if return_intermediate_states:
-            o, final, h = chunk_kda_triton_states(q, k, v, g, beta, safe_gate=safe_gate, seqlens=shape.seqlens,
-                                                  **kwargs)
+            o, final, h = chunk_kda_triton_states(q, k, v, g, beta, **tensors, opts=opts)
         else:
-            o, final = chunk_kda_triton(q, k, v, g, beta, safe_gate=safe_gate, seqlens=shape.seqlens, **kwargs)
+            o, final = chunk_kda_triton(q, k, v, g, beta, **tensors,
+                                        checkpoint_every_n_tokens=checkpoint_every_n_tokens, opts=opts)
     else:
         if cu_seqlens_cpu is not None:
             # The reference reads the offsets on the host: give it the host copy (validated
             # above, equal to cu_seqlens by the caller's promise) so that it does not read
             # cu_seqlens back from the device either.
-            kwargs["cu_seqlens"] = cu_seqlens_cpu
-        if return_intermediate_states:
-            o, final, h = chunked_kda_reference_states(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
-        else:
-            o, final = chunked_kda_reference(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+            tensors["cu_seqlens"] = cu_seqlens_cpu
+        reference = chunked_kda_reference_states if return_intermediate_states else chunked_kda_reference
+        res = reference(q, k, v, g, beta, **tensors, output_final_state=opts.output_final_state, chunk_size=chunk_size,
+                        checkpoint_every_n_tokens=checkpoint_every_n_tokens, **opts.reference_kwargs())
+        o, final, h = res if return_intermediate_states else (*res, None)
     if pool is not None:
         scatter_pool_rows(pool, final, state_indices, valid, host)
         # padded sequences give zero output, as in kda_decode; the offsets on o's device (the host

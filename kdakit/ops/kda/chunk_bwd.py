@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from kdakit.ops.kda.chunk_bwd_common import CHUNK, MAX_HEAD_DIM, USE_DOUBLING_INVERSE, dot_precision
+from kdakit.ops.kda.chunk_bwd_common import CHUNK, MAX_HEAD_DIM
 from kdakit.ops.kda.chunk_bwd_windowed import run_windowed
-from kdakit.ops.kda.chunk_common import gate_mode
-from kdakit.ops.kda.chunk_fwd import uses_safe_path
+from kdakit.ops.kda.chunk_common import GATE_SOFTPLUS
+from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.plan import checkpoint_offsets, default_stage_dtype
 
 
@@ -30,28 +30,21 @@ def chunk_kda_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     do: torch.Tensor, dht: torch.Tensor | None, *,
     checkpoints: torch.Tensor,
-    scale: float,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     initial_state: torch.Tensor | None,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    allow_neg_eigval: bool,
-    safe_gate: bool,
-    lower_bound: float | None,
-    state_v_first: bool,
     cu_seqlens: torch.Tensor | None,
     plan,
+    opts: KDAOptions,
     ckpt_offsets: torch.Tensor | None = None,
     stage_dtype: torch.dtype | None = None,
 ):
     """Gradients of chunked KDA from the inputs, dO, dht and the forward's sparse state checkpoints.
 
     Shapes: q, k ``[B, T, H, K]``; v, do ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]``
-    (all contiguous, same dtype); dht ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``)
+    (all contiguous, same dtype); dht ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``opts.state_v_first``)
     or None; checkpoints ``[plan.num_checkpoints, HV, K, V]`` in ``plan.checkpoint_dtype`` (layout of
-    ``plan.py``).
+    ``plan.py``); ``opts`` the call's ``KDAOptions`` (the forward's: scale, options, their kernel encodings).
     ``plan`` supplies ``checkpoint_every_n_tokens`` (L), ``recompute_every_n_tokens`` (L2: the
     window) and ``seqlens``; ``ckpt_offsets`` (int64 ``[N + 1]``, on the device) is computed when
     not given. ``stage_dtype`` stores the per-chunk state and state-gradient slots; None picks
@@ -83,8 +76,7 @@ def chunk_kda_bwd(
     if checkpoints.shape[0] != plan.num_checkpoints:
         raise ValueError(f"checkpoints must have plan.num_checkpoints={plan.num_checkpoints} rows, "
                          f"got {checkpoints.shape[0]}")
-    gate = gate_mode(use_gate_in_kernel, lower_bound)
-    if gate == 1 and A_log is None:
+    if opts.gate == GATE_SOFTPLUS and A_log is None:
         raise ValueError("use_gate_in_kernel without lower_bound needs A_log, got None")
     if dht is not None and dht.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise TypeError(f"dht must be a floating tensor, got {dht.dtype}")
@@ -92,21 +84,15 @@ def chunk_kda_bwd(
         ckpt_offsets = checkpoint_offsets(cu_seqlens, B=B, T=T, every_n_tokens=L, device=q.device)
     if stage_dtype is None:
         stage_dtype = default_stage_dtype(q.dtype)
-    has_a = use_gate_in_kernel and A_log is not None
-    has_bias = use_gate_in_kernel and dt_bias is not None
-    consts = dict(GATE=gate, HAS_A=has_a, HAS_BIAS=has_bias, L2NORM=use_qk_l2norm_in_kernel,
-                  BETA_SIGMOID=use_beta_sigmoid_in_kernel, NEG_EIGVAL=allow_neg_eigval,
-                  SAFE=uses_safe_path(safe_gate, use_gate_in_kernel, lower_bound), IS_VARLEN=cu_seqlens is not None,
-                  DOT_PREC=dot_precision(q.dtype), INV_DOUBLING=USE_DOUBLING_INVERSE)
-    args = (q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlens, A_log, dt_bias, initial_state,
-            float(scale), float(lower_bound if lower_bound is not None else 0.0), state_v_first, L, L2, N,
-            stage_dtype, consts)
-    dq, dk, dv, dg, dbeta, dA_part, ddt_part, dh0 = run_windowed(*args, plan)
+    dq, dk, dv, dg, dbeta, dA_part, ddt_part, dh0 = run_windowed(
+        q, k, v, g, beta, do, dht, checkpoints=checkpoints, ckpt_offsets=ckpt_offsets, cu_seqlens=cu_seqlens,
+        A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, N=N, plan=plan, stage_dtype=stage_dtype,
+        opts=opts)
     dev, f32 = q.device, torch.float32
     dA_log = ddt_bias = None
     if A_log is not None:
-        dA_log = dA_part.view(N, HV, -1).sum((0, 2)) if has_a else torch.zeros(HV, dtype=f32, device=dev)
+        dA_log = dA_part.view(N, HV, -1).sum((0, 2)) if opts.has_A_log else torch.zeros(HV, dtype=f32, device=dev)
     if dt_bias is not None:
-        ddt_bias = ddt_part.view(N, HV, -1, K).sum((0, 2)).view(HV * K) if has_bias \
+        ddt_bias = ddt_part.view(N, HV, -1, K).sum((0, 2)).view(HV * K) if opts.has_dt_bias \
             else torch.zeros(HV * K, dtype=f32, device=dev)
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0

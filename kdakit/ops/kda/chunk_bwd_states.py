@@ -50,6 +50,7 @@ from kdakit.ops.kda.chunk_common import (
 )
 from kdakit.ops.kda.chunk_fwd import EXACT_KEY_SLICE, INTRA_NUM_WARPS, _dot_precision, chunk_kda_fwd_intra_kernel
 from kdakit.ops.kda.chunk_tiles import dot_operand
+from kdakit.ops.kda.options import KDAOptions
 
 # sm_90a (compile_sm90.py --only lean): 255 registers, 128 B of spills at BV = 64 and 4 warps (role 0
 # alone: 192), so two programs an SM: 2 x N*HV*V/64 programs (384 at 1x8K H96) in two waves. BV = 32 is
@@ -186,26 +187,25 @@ def chunk_kda_bwd_lean_states_kernel(
 
 
 def _intra(win, set_, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu, dq, dk, dv, dg, ws_aqk, ws_gc,
-           lower_bound, N, sub, consts, dummy):
+           N, sub, opts: KDAOptions, dummy):
     """The forward's intra kernel on window ``win``: W, qΓ, kd, U into its gradient rows, Aqk and exp(g_C)
     into slot set ``set_``."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = block_size(K)
     chunk_kda_fwd_intra_kernel[(N * sub, HV)](
-        q, k, v, g, beta, A_log if consts["HAS_A"] else dummy, dt_bias if consts["HAS_BIAS"] else dummy,
-        dq, dk, dg, dv, ws_aqk[set_], ws_gc[set_], cu, cu, lower_bound, T, H, HV, triton.cdiv(T, CHUNK), win,
-        K=K, V=V, C=CHUNK, BK=BK, BV=block_size(V), BKS=min(EXACT_KEY_SLICE, BK), GATE=consts["GATE"],
-        HAS_A_LOG=consts["HAS_A"], HAS_BIAS=consts["HAS_BIAS"], USE_L2NORM=consts["L2NORM"],
-        BETA_SIGMOID=consts["BETA_SIGMOID"], NEG_EIGVAL=consts["NEG_EIGVAL"], SAFE=consts["SAFE"],
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
+        q, k, v, g, beta, A_log if opts.has_A_log else dummy, dt_bias if opts.has_dt_bias else dummy,
+        dq, dk, dg, dv, ws_aqk[set_], ws_gc[set_], cu, cu, opts.kernel_lower_bound, T, H, HV,
+        triton.cdiv(T, CHUNK), win,
+        K=K, V=V, C=CHUNK, BK=BK, BV=block_size(V), BKS=min(EXACT_KEY_SLICE, BK), **opts.intra_constexprs(),
+        SAFE=opts.safe, IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
         EMULATE_BF16=interpreting() and q.dtype == torch.bfloat16, WINDOW=True, SUB=sub,
         num_warps=INTRA_NUM_WARPS, num_stages=1,
     )
 
 
 def run_lean_window_starts(seg, last_win, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, ckpt, ckpt_offsets,
-                           ws_win, ws_aqk, ws_gc, dq, dk, dv, dg, lower_bound, N, sub, n_sub, consts, dummy):
+                           ws_win, ws_aqk, ws_gc, dq, dk, dv, dg, N, sub, n_sub, opts: KDAOptions, dummy):
     """Stage 1 of segment ``seg`` (HV == H): the intermediates of its windows before ``last_win`` (the
     segment's last window that any sequence has; its own are made in its stage 2), then the walk that
     stores the window start states."""
@@ -217,8 +217,7 @@ def run_lean_window_starts(seg, last_win, *, q, k, v, g, beta, A_log, dt_bias, c
         if win % n_sub == n_sub - 1:
             break  # the segment's last window makes its own intermediates in stage 2
         _intra(win, win % n_sub, q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
-               cu=cu, dq=dq, dk=dk, dv=dv, dg=dg, ws_aqk=ws_aqk, ws_gc=ws_gc, lower_bound=lower_bound, N=N, sub=sub,
-               consts=consts, dummy=dummy)
+               cu=cu, dq=dq, dk=dk, dv=dv, dg=dg, ws_aqk=ws_aqk, ws_gc=ws_gc, N=N, sub=sub, opts=opts, dummy=dummy)
     BK = block_size(K)
     BV = min(LEAN_BLOCK_V, block_size(V))
     chunk_kda_bwd_lean_starts_kernel[(N * HV, triton.cdiv(V, BV))](
@@ -230,8 +229,8 @@ def run_lean_window_starts(seg, last_win, *, q, k, v, g, beta, A_log, dt_bias, c
 
 
 def run_lean_window_states(win, *, q, k, v, g, beta, do, A_log, dt_bias, cu_seqlens, ckpt, ckpt_offsets,
-                           ws_win, ws_s, ws_ds, ws_aqk, ws_gc, carry, dq, dk, dv, dg, scale, lower_bound,
-                           state_v_first, N, sub, n_sub, consts, stage_dtype):
+                           ws_win, ws_s, ws_ds, ws_aqk, ws_gc, carry, dq, dk, dv, dg, N, sub, n_sub,
+                           opts: KDAOptions, stage_dtype):
     """Stage 2 of window ``win`` (HV == H): the intra kernel into the window's gradient rows (unless stage
     1 made them: every window of a segment but its last), then the walk."""
     B, T, H, K = q.shape
@@ -241,13 +240,12 @@ def run_lean_window_states(win, *, q, k, v, g, beta, do, A_log, dt_bias, cu_seql
     cu = cu_seqlens if cu_seqlens is not None else ckpt_offsets
     if win % n_sub == n_sub - 1:
         _intra(win, win % n_sub, q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
-               cu=cu, dq=dq, dk=dk, dv=dv, dg=dg, ws_aqk=ws_aqk, ws_gc=ws_gc, lower_bound=lower_bound, N=N, sub=sub,
-               consts=consts, dummy=dummy)
+               cu=cu, dq=dq, dk=dk, dv=dv, dg=dg, ws_aqk=ws_aqk, ws_gc=ws_gc, N=N, sub=sub, opts=opts, dummy=dummy)
     BK = block_size(K)
     BV = min(LEAN_BLOCK_V, block_size(V))
     chunk_kda_bwd_lean_states_kernel[(N * HV, triton.cdiv(V, BV), 2)](
         dq, dk, dg, dv, ws_aqk, ws_gc, do, ckpt, ckpt_offsets, cu, ws_win if ws_win is not None else dummy,
-        ws_s, ws_ds, carry, win, N, scale, T, HV, K, V, *state_strides(carry, state_v_first),
+        ws_s, ws_ds, carry, win, N, opts.scale, T, HV, K, V, *state_strides(carry, opts.state_v_first),
         C=CHUNK, BK=BK, BV=BV, SUB_CHUNKS=sub, N_SUB=n_sub, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=_dot_precision(q.dtype), OP_BF16=q.dtype == torch.bfloat16,
         EMULATE_BF16=interp and q.dtype == torch.bfloat16,

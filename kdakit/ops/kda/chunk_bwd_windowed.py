@@ -50,6 +50,8 @@ import triton.language as tl
 from kdakit.ops.kda.chunk_bwd_common import (
     CHUNK,
     LAST_LAUNCH,
+    USE_DOUBLING_INVERSE,
+    dot_precision,
     exact_pairwise_bwd,
     exact_qk_kk,
     grad_operand,
@@ -59,6 +61,7 @@ from kdakit.ops.kda.chunk_bwd_common import (
     state_strides,
 )
 from kdakit.ops.kda.chunk_bwd_states import run_lean_window_starts, run_lean_window_states
+from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.plan import lean_workspace_allocations, uses_lean_states
 from kdakit.ops.kda.chunk_common import (
     beta_activation,
@@ -484,19 +487,23 @@ def state_block_v(units: int, V: int, num_sms: int = 132) -> int:
     return min(128, full)
 
 
-def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlens, A_log, dt_bias, initial_state,
-                  scale, lower_bound, state_v_first, L, L2, N, stage_dtype, consts, plan):
-    """The windowed pipeline: per checkpoint segment stage 1, per window (last first) stages 2 and 3."""
+def run_windowed(q, k, v, g, beta, do, dht, *, checkpoints, ckpt_offsets, cu_seqlens, A_log, dt_bias, initial_state,
+                 N: int, plan, stage_dtype: torch.dtype, opts: KDAOptions):
+    """The windowed pipeline: per checkpoint segment stage 1, per window (last first) stages 2 and 3.
+
+    Checked by ``chunk_bwd.chunk_kda_bwd``; the cadences come from ``plan`` (L its checkpoints', L2 its
+    recompute window) and every option, with its kernel encoding, from ``opts``."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     C, dev, f32 = CHUNK, q.device, torch.float32
+    L, L2 = int(plan.checkpoint_every_n_tokens), int(plan.recompute_every_n_tokens)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dv, dg, dbeta = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
     items, sub, n_sub = N * HV, L2 // C, L // L2
-    dA_part = torch.zeros(items, sub, dtype=f32, device=dev) if consts["HAS_A"] else None
-    ddt_part = torch.zeros(items, sub, K, dtype=f32, device=dev) if consts["HAS_BIAS"] else None
+    dA_part = torch.zeros(items, sub, dtype=f32, device=dev) if opts.has_A_log else None
+    ddt_part = torch.zeros(items, sub, K, dtype=f32, device=dev) if opts.has_dt_bias else None
     # The carried dS lives in dh0 itself (state layout, read through strides) when there is one.
-    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    state_shape = (N, HV, V, K) if opts.state_v_first else (N, HV, K, V)
     if initial_state is not None:
         if tuple(initial_state.shape) != state_shape:
             raise ValueError(f"initial_state must have shape {list(state_shape)}, got {list(initial_state.shape)}")
@@ -525,11 +532,12 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
     BV2 = STATES_BLOCK_V or state_block_v(2 * items, V, sms)
     dummy = carry
     cu = cu_seqlens if cu_seqlens is not None else ckpt_offsets
-    a_ptr = A_log if consts["HAS_A"] else dummy
-    b_ptr = dt_bias if consts["HAS_BIAS"] else dummy
-    c_str = state_strides(carry, state_v_first)
-    seq = {k_: consts[k_] for k_ in ("GATE", "HAS_A", "HAS_BIAS", "L2NORM", "BETA_SIGMOID", "NEG_EIGVAL", "SAFE",
-                                     "IS_VARLEN", "DOT_PREC", "INV_DOUBLING")}
+    a_ptr = A_log if opts.has_A_log else dummy
+    b_ptr = dt_bias if opts.has_dt_bias else dummy
+    c_str = state_strides(carry, opts.state_v_first)
+    scale, lower_bound = opts.scale, opts.kernel_lower_bound
+    seq = dict(**opts.chunk_constexprs(), IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
+               INV_DOUBLING=USE_DOUBLING_INVERSE)
     grad_op, grad_prec = grad_operands(q.dtype)
     for win in reversed(range(n_win)):
         seg = win // n_sub
@@ -538,7 +546,7 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
             run_lean_window_starts(
                 seg, win, q=q, k=k, v=v, g=g, beta=beta, A_log=a_ptr, dt_bias=b_ptr, cu_seqlens=cu_seqlens,
                 ckpt=checkpoints, ckpt_offsets=ckpt_offsets, ws_win=ws_win, ws_aqk=ws_aqk, ws_gc=ws_gc, dq=dq, dk=dk,
-                dv=dv, dg=dg, lower_bound=lower_bound, N=N, sub=sub, n_sub=n_sub, consts=consts, dummy=dummy)
+                dv=dv, dg=dg, N=N, sub=sub, n_sub=n_sub, opts=opts, dummy=dummy)
         elif n_sub > 1 and win == min(n_win - 1, seg * n_sub + n_sub - 1):
             LAST_LAUNCH["window_starts"] = chunk_kda_bwd_window_starts_kernel[(items, triton.cdiv(V, BV1))](
                 k, v, g, beta, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr, ws_win,
@@ -549,8 +557,8 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
             run_lean_window_states(
                 win, q=q, k=k, v=v, g=g, beta=beta, do=do, A_log=a_ptr, dt_bias=b_ptr, cu_seqlens=cu_seqlens,
                 ckpt=checkpoints, ckpt_offsets=ckpt_offsets, ws_win=ws_win, ws_s=ws_s, ws_ds=ws_ds, ws_aqk=ws_aqk,
-                ws_gc=ws_gc, carry=carry, dq=dq, dk=dk, dv=dv, dg=dg, scale=scale, lower_bound=lower_bound,
-                state_v_first=state_v_first, N=N, sub=sub, n_sub=n_sub, consts=consts, stage_dtype=stage_dtype)
+                ws_gc=ws_gc, carry=carry, dq=dq, dk=dk, dv=dv, dg=dg, N=N, sub=sub, n_sub=n_sub, opts=opts,
+                stage_dtype=stage_dtype)
         else:
             LAST_LAUNCH["window_states"] = chunk_kda_bwd_window_states_kernel[(items, triton.cdiv(V, BV2), 2)](
                 q, k, v, g, beta, do, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr,
@@ -565,7 +573,7 @@ def run_windowed(q, k, v, g, beta, do, dht, checkpoints, ckpt_offsets, cu_seqlen
             ddt_part if ddt_part is not None else dummy,
             win, scale, lower_bound, T, H, HV, K, V,
             C=C, BK=BK, BV=BVG, SUB_CHUNKS=sub, GROUP=HV // H, **seq, GRAD_PREC=grad_prec, GRAD_OP=grad_op,
-            num_warps=GRADS_NUM_WARPS if consts["SAFE"] else GRADS_EXACT_NUM_WARPS, num_stages=GRADS_NUM_STAGES)
+            num_warps=GRADS_NUM_WARPS if opts.safe else GRADS_EXACT_NUM_WARPS, num_stages=GRADS_NUM_STAGES)
     del ws_win, ws_s, ws_ds, carry
     if lean:
         del ws_aqk, ws_gc

@@ -68,7 +68,6 @@ import triton.language as tl
 from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.ops.kda.chunk_common import (
     block_size,
-    gate_mode,
     l2norm_rows,
     load_chunk_beta,
     load_chunk_gate,
@@ -86,6 +85,7 @@ from kdakit.ops.kda.chunk_common import (
     unit_lower_inverse_doubling,
 )
 from kdakit.ops.kda.chunk_tiles import dot_operand
+from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.plan import CHUNK_SIZE, KDAPlan, forward_chunk_table, plan_kda
 
 MAX_HEAD_DIM = 128
@@ -335,16 +335,10 @@ def _state_strides(t: torch.Tensor, state_v_first: bool) -> tuple[int, int, int,
     return (sn, sh, s3, s2) if state_v_first else (sn, sh, s2, s3)
 
 
-def uses_safe_path(safe_gate: bool, use_gate_in_kernel: bool, lower_bound: float | None) -> bool:
-    """SAFE pairwise path when the log-decay is known to be >= -5 per token."""
-    return bool(safe_gate) or (use_gate_in_kernel and lower_bound is not None and lower_bound >= -5.0)
-
-
 def chunk_kda_fwd_intra(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor, *,
-    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, safe_gate: bool,
-    lower_bound: float | None, cu_seqlens: torch.Tensor | None, plan: KDAPlan,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, cu_seqlens: torch.Tensor | None, plan: KDAPlan,
+    opts: KDAOptions,
 ) -> tuple[torch.Tensor, ...]:
     """Kernel 1 on validated inputs (see chunk_kda_fwd): allocates the temporaries and writes U into ``o``.
 
@@ -374,13 +368,9 @@ def chunk_kda_fwd_intra(
         return w, qg, kd, aqk, gc, table
     chunk_kda_fwd_intra_kernel[(NT, HV)](
         q, k, v, g, beta, A_log, dt_bias, w, qg, kd, o, aqk, gc, cu_seqlens, pairs,
-        float(lower_bound) if lower_bound is not None else 0.0, T, H, HV, triton.cdiv(T, C), 0,
-        K=K, V=V, C=C, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), GATE=gate_mode(use_gate_in_kernel, lower_bound),
-        HAS_A_LOG=A_log is not None and use_gate_in_kernel,
-        HAS_BIAS=dt_bias is not None and use_gate_in_kernel,
-        USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-        NEG_EIGVAL=bool(allow_neg_eigval and use_beta_sigmoid_in_kernel),
-        SAFE=uses_safe_path(safe_gate, use_gate_in_kernel, lower_bound), IS_VARLEN=varlen,
+        opts.kernel_lower_bound, T, H, HV, triton.cdiv(T, C), 0,
+        K=K, V=V, C=C, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), **opts.intra_constexprs(), SAFE=opts.safe,
+        IS_VARLEN=varlen,
         DOT_PREC=_dot_precision(q.dtype), EMULATE_BF16=triton_interpreting() and q.dtype == torch.bfloat16,
         num_warps=INTRA_NUM_WARPS, num_stages=1,
     )
@@ -389,18 +379,10 @@ def chunk_kda_fwd_intra(
 
 def chunk_kda_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
-    scale: float,
+    opts: KDAOptions,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    safe_gate: bool = False,
-    lower_bound: float | None = None,
-    state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     plan: KDAPlan | None = None,
     save_checkpoints: bool = True,
@@ -413,7 +395,9 @@ def chunk_kda_fwd(
     Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta
     ``[B, T, HV]`` (contiguous; fp16/bf16/fp32); A_log ``[HV]``, dt_bias ``[HV*K]`` (fp32);
     initial_state ``[N, HV, K, V]`` (``[N, HV, V, K]`` with state_v_first; fp32 or bf16, any
-    strides); cu_seqlens int32/int64 ``[N + 1]`` with B = 1.
+    strides); cu_seqlens int32/int64 ``[N + 1]`` with B = 1. ``opts``: the call's ``KDAOptions``
+    (``kdakit.ops.kda.options.kda_options``): scale, the in-kernel options, their kernel encodings,
+    ``output_final_state`` and the state layout.
 
     Returns ``o`` ``[B, T, HV, V]`` in v's dtype, the final state (fp32, requested layout)
     or None, and the checkpoints ``[plan.num_checkpoints, HV, K, V]`` (``[.., V, K]`` with
@@ -437,7 +421,7 @@ def chunk_kda_fwd(
         raise ValueError(f"the Triton forward supports K, V <= {MAX_HEAD_DIM}, got K={K}, V={V}")
     if plan is None:
         plan = plan_kda(q, v, cu_seqlens=cu_seqlens, initial_state=initial_state is not None,
-                        output_final_state=output_final_state, gate_params=A_log is not None)
+                        output_final_state=opts.output_final_state, gate_params=A_log is not None)
     if (plan.B, plan.T, plan.H, plan.HV, plan.K, plan.V) != (B, T, H, HV, K, V):
         raise ValueError(
             f"plan was made for B,T,H,HV,K,V = {(plan.B, plan.T, plan.H, plan.HV, plan.K, plan.V)}, "
@@ -454,8 +438,8 @@ def chunk_kda_fwd(
 
     o = torch.empty_like(v)
     final = None
-    if output_final_state:
-        final = torch.empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32, device=dev)
+    if opts.output_final_state:
+        final = torch.empty((N, HV, V, K) if opts.state_v_first else (N, HV, K, V), dtype=torch.float32, device=dev)
     ckpts = offsets = None
     if save_checkpoints:
         offsets = ckpt_offsets if ckpt_offsets is not None else plan.checkpoint_offsets(dev)
@@ -472,18 +456,15 @@ def chunk_kda_fwd(
 
     varlen = cu_seqlens is not None
     interp = triton_interpreting()
-    w, qg, kd, aqk, gc, table = chunk_kda_fwd_intra(
-        q, k, v, g, beta, o, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
-        plan=plan)
+    w, qg, kd, aqk, gc, table = chunk_kda_fwd_intra(q, k, v, g, beta, o, A_log=A_log, dt_bias=dt_bias,
+                                                    cu_seqlens=cu_seqlens, plan=plan, opts=opts)
     chunk_offsets = table[2 * plan.num_chunks:] if varlen else None
 
-    h0_strides = _state_strides(initial_state, state_v_first) if initial_state is not None else (0, 0, 0, 0)
-    ht_strides = _state_strides(final, state_v_first) if final is not None else (0, 0, 0, 0)
+    h0_strides = _state_strides(initial_state, opts.state_v_first) if initial_state is not None else (0, 0, 0, 0)
+    ht_strides = _state_strides(final, opts.state_v_first) if final is not None else (0, 0, 0, 0)
     chunk_kda_fwd_state_kernel[(N * HV, triton.cdiv(V, BV))](
         w, qg, kd, aqk, gc, o, initial_state, final, ckpts, cu_seqlens, chunk_offsets, offsets,
-        float(scale), T, HV, triton.cdiv(T, C), *h0_strides, *ht_strides, L,
+        opts.scale, T, HV, triton.cdiv(T, C), *h0_strides, *ht_strides, L,
         *((1, K) if checkpoint_v_first else (V, 1)),
         K=K, V=V, C=C, BK=BK, BV=BV, IS_VARLEN=varlen, HAS_H0=initial_state is not None,
         STORE_HT=final is not None, STORE_CKPT=ckpts is not None,

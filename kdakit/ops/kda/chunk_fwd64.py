@@ -369,19 +369,19 @@ def chunk_kda_fwd64(
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     initial_state: torch.Tensor | None,
-    output_final_state: bool,
     cu_seqlens: torch.Tensor | None,
     seqlens,
     opts: Chunk64Options,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(o [B, T, HV, V] in v's dtype, final state fp32 in the requested layout or None)``.
 
-    Shapes and layouts as ``chunk_fwd.chunk_kda_fwd``; ``opts`` from ``chunk64_options``."""
+    Shapes and layouts as ``chunk_fwd.chunk_kda_fwd``; ``opts`` from ``chunk64_options`` (the final state
+    when ``opts.kda.output_final_state``)."""
     ob = opts
     dev = q.device
     out = torch.empty_like(v)
     final = None
-    if output_final_state:
+    if ob.kda.output_final_state:
         final = torch.empty((ob.N, ob.HV, ob.V, ob.K) if ob.state_v_first else (ob.N, ob.HV, ob.K, ob.V),
                             dtype=torch.float32, device=dev)
     pairs, firsts = chunk64_tables(ob, seqlens, dev)

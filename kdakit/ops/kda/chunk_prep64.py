@@ -13,7 +13,8 @@ row i of the matrix), W, kd ``[B, T, HV, K]``; exp(g_C) fp32 ``[chunks, HV, K]``
 state-gradient slot ``[chunks, HV, K, V]``. The serial passes then only load operands (on the H200 a
 step that loads them took 12 us, one that re-derived them 50 us).
 
-Launch options are decided once, by ``chunk64_options``, into one frozen object the launchers take whole.
+Launch options are derived once, by ``chunk64_options`` from the call's ``KDAOptions``, into one frozen object
+the launchers take whole.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import triton.language as tl
 
 from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.ops.kda.chunk_common import (
+    GATE_SOFTPLUS,
     block_size,
-    gate_mode,
     load_matrix,
     load_rows,
     round_to_bf16_if,
@@ -48,6 +49,7 @@ from kdakit.ops.kda.chunk_tiles import (
     pairwise_qk_kk_block,
     store_unit_lower_inverse,
 )
+from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.plan import host_to_device
 
 MAX_HEAD_DIM = 128
@@ -293,66 +295,58 @@ def chunk_chunk_table(lengths, chunk: int, device) -> tuple[torch.Tensor, torch.
 
 @dataclass(frozen=True)
 class Chunk64Options:
-    """Shapes, options and their kernel encodings for one call of the 64-token pipeline, decided once."""
+    """The 64-token pipeline's launch configuration for one call, derived once from its ``KDAOptions``
+    (``kda``, kept whole; the sizes and option encodings below are read from it) plus the pipeline's own
+    chunk counts, blocks, strides and dot settings."""
 
-    B: int
-    T: int
-    H: int
-    HV: int
-    K: int
-    V: int
-    N: int  # sequences
+    kda: KDAOptions
     NT: int  # 64-token chunks over all sequences
     NTS: int  # chunks per sequence of a fixed-length batch
     BK: int
     BV: int
     varlen: bool
-    scale: float
-    lower_bound: float
-    safe: bool
     stride_alog: int
     stride_bias: int
-    state_v_first: bool
     slot_dtype: torch.dtype
     interpreting: bool
-    constexprs: dict  # GATE, HAS_A_LOG, HAS_BIAS, USE_L2NORM, BETA_SIGMOID, NEG_EIGVAL, IS_VARLEN, OP_BF16, ...
+    constexprs: dict  # kda.intra_constexprs() (GATE, HAS_A_LOG, ...) and IS_VARLEN, OP_BF16, EMULATE_BF16, DOT_PREC
+
+    B = property(lambda self: self.kda.shape.B)
+    T = property(lambda self: self.kda.shape.T)
+    H = property(lambda self: self.kda.shape.H)
+    HV = property(lambda self: self.kda.shape.HV)
+    K = property(lambda self: self.kda.shape.K)
+    V = property(lambda self: self.kda.shape.V)
+    N = property(lambda self: self.kda.shape.N)  # sequences
+    scale = property(lambda self: self.kda.scale)
+    lower_bound = property(lambda self: self.kda.kernel_lower_bound)
+    safe = property(lambda self: self.kda.safe)
+    state_v_first = property(lambda self: self.kda.state_v_first)
 
 
-def chunk64_options(q: torch.Tensor, v: torch.Tensor, *, scale: float, A_log, dt_bias, use_qk_l2norm_in_kernel: bool,
-                    use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
-                    safe_gate: bool, lower_bound: float | None, state_v_first: bool, cu_seqlens, seqlens,
+def chunk64_options(opts: KDAOptions, q: torch.Tensor, *, A_log, dt_bias, cu_seqlens, seqlens,
                     tensors: dict) -> Chunk64Options:
     """Checks what the kernels need beyond ``kdakit.chunk_kda``'s validation (``tensors``: name -> the
-    token-major tensors that must be contiguous) and encodes the options."""
+    token-major tensors that must be contiguous) and derives the launch configuration from ``opts``."""
     for name, t in tensors.items():
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous for the Triton kernels, got strides {tuple(t.stride())}")
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    B, T, K, V = opts.shape.B, opts.shape.T, opts.shape.K, opts.shape.V
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"the Triton kernels support K, V <= {MAX_HEAD_DIM}, got K={K}, V={V}")
-    gate = gate_mode(use_gate_in_kernel, lower_bound)
-    if gate == 1 and A_log is None:
+    if opts.gate == GATE_SOFTPLUS and A_log is None:
         raise ValueError("use_gate_in_kernel without lower_bound needs A_log, got None")
     varlen = cu_seqlens is not None
     lengths = list(seqlens) if varlen else [T] * B
     NT = sum(-(-int(n) // CHUNK) for n in lengths)
     op_bf16, prec = dot_config(q.dtype)
     interp = triton_interpreting()
-    has_a = use_gate_in_kernel and A_log is not None
-    has_bias = use_gate_in_kernel and dt_bias is not None
     return Chunk64Options(
-        B=B, T=T, H=H, HV=HV, K=K, V=V, N=len(lengths), NT=NT, NTS=triton.cdiv(T, CHUNK),
-        BK=block_size(K), BV=block_size(V), varlen=varlen, scale=float(scale),
-        lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
-        safe=bool(safe_gate) or (use_gate_in_kernel and lower_bound is not None and lower_bound >= -5.0),
-        stride_alog=A_log.stride(0) if has_a else 0, stride_bias=dt_bias.stride(0) if has_bias else 0,
-        state_v_first=bool(state_v_first), slot_dtype=torch.float32 if q.dtype == torch.float32 else q.dtype,
-        interpreting=interp,
-        constexprs=dict(GATE=gate, HAS_A_LOG=has_a, HAS_BIAS=has_bias, USE_L2NORM=bool(use_qk_l2norm_in_kernel),
-                        BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-                        NEG_EIGVAL=bool(allow_neg_eigval and use_beta_sigmoid_in_kernel), IS_VARLEN=varlen,
-                        OP_BF16=op_bf16, EMULATE_BF16=interp and q.dtype == torch.bfloat16, DOT_PREC=prec),
+        kda=opts, NT=NT, NTS=triton.cdiv(T, CHUNK), BK=block_size(K), BV=block_size(V), varlen=varlen,
+        stride_alog=A_log.stride(0) if opts.has_A_log else 0, stride_bias=dt_bias.stride(0) if opts.has_dt_bias else 0,
+        slot_dtype=torch.float32 if q.dtype == torch.float32 else q.dtype, interpreting=interp,
+        constexprs=dict(**opts.intra_constexprs(), IS_VARLEN=varlen, OP_BF16=op_bf16,
+                        EMULATE_BF16=interp and q.dtype == torch.bfloat16, DOT_PREC=prec),
     )
 
 

@@ -5,7 +5,9 @@ backward (chunk_bwd), or the experimental 64-token pipeline (chunk_fwd64, chunk_
 Saved for backward: the inputs autograd already holds plus, for the windowed backward, the fp32
 state checkpoints at the plan's cadence (``plan.checkpoint_every_n_tokens``) — nothing that grows
 with T·H beyond those; the 64-token pipeline saves no checkpoints. The plan (``kdakit.ops.kda.plan.plan_kda``) is made once per call from
-the shapes and is the object the memory model prices.
+the shapes and is the object the memory model prices. The call's options travel as its one
+``KDAOptions`` (``options.py``), which every launcher below takes whole; the 64-token pipeline's
+``Chunk64Options`` is derived from it.
 """
 
 from __future__ import annotations
@@ -19,36 +21,31 @@ from kdakit.ops.kda.chunk_fwd64 import chunk_kda_fwd64
 from kdakit.ops.kda.chunk_prep64 import chunk64_options
 from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd
 from kdakit.ops.kda.chunk_reference import INTERMEDIATE_STATE_TOKENS
+from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.plan import plan_kda, sequence_lengths
-
-_FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
-          "safe_gate", "lower_bound", "state_v_first")
 
 
 class ChunkKDATritonFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, seqlens, scale, output_final_state,
-                checkpoint_every_n_tokens, flags: dict):
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, seqlens, checkpoint_every_n_tokens,
+                opts: KDAOptions):
         # seqlens: cu_seqlens's lengths as validation read them (no second device read here).
-        plan = _plan(q, v, A_log, initial_state, seqlens, output_final_state, checkpoint_every_n_tokens, None)
+        plan = _plan(q, v, A_log, initial_state, seqlens, opts.output_final_state, checkpoint_every_n_tokens, None)
         ctx.opts64 = None
         if requested_chunk_pipeline() == "chunk64":
-            ctx.opts64 = chunk64_options(
-                q, v, scale=scale, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, seqlens=seqlens,
-                tensors=dict(q=q, k=k, v=v, g=g, beta=beta), **flags)
+            ctx.opts64 = chunk64_options(opts, q, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+                                         seqlens=seqlens, tensors=dict(q=q, k=k, v=v, g=g, beta=beta))
             o, final = chunk_kda_fwd64(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                       seqlens=seqlens, opts=ctx.opts64)
+                                       cu_seqlens=cu_seqlens, seqlens=seqlens, opts=ctx.opts64)
             ckpts = offsets = None
         else:
             # One offsets tensor, from the planned lengths (no device read), serves forward and backward.
             offsets = plan.checkpoint_offsets(q.device)
             o, final, ckpts = chunk_kda_fwd(
-                q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                output_final_state=output_final_state, cu_seqlens=cu_seqlens, plan=plan, ckpt_offsets=offsets,
-                **flags)
+                q, k, v, g, beta, opts=opts, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                cu_seqlens=cu_seqlens, plan=plan, ckpt_offsets=offsets)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ckpts, offsets)
-        ctx.plan, ctx.scale, ctx.flags, ctx.seqlens = plan, scale, flags, seqlens
+        ctx.plan, ctx.opts, ctx.seqlens = plan, opts, seqlens
         return o, final
 
     @staticmethod
@@ -64,25 +61,25 @@ class ChunkKDATritonFunction(torch.autograd.Function):
                 cu_seqlens=cu_seqlens, seqlens=ctx.seqlens, opts=ctx.opts64)
         else:
             dq, dk, dv, dg, dbeta, dA, dbias, dh0 = chunk_kda_bwd(
-                q, k, v, g, beta, do, dht, checkpoints=ckpts, scale=ctx.scale, A_log=A_log, dt_bias=dt_bias,
-                initial_state=initial_state, cu_seqlens=cu_seqlens, plan=ctx.plan, ckpt_offsets=offsets,
-                **ctx.flags)
+                q, k, v, g, beta, do, dht, checkpoints=ckpts, A_log=A_log, dt_bias=dt_bias,
+                initial_state=initial_state, cu_seqlens=cu_seqlens, plan=ctx.plan, opts=ctx.opts,
+                ckpt_offsets=offsets)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, dg, dbeta, dA, dbias, dh0, None, None, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dA, dbias, dh0, None, None, None, None
 
 
-def chunk_kda_triton(q, k, v, g, beta, *, scale, A_log, dt_bias, initial_state, output_final_state,
-                     cu_seqlens, checkpoint_every_n_tokens, seqlens=None, **flags):
-    """Validated inputs (see ``kdakit.chunk_kda``) -> ``(o, final_state or None)`` via the Triton kernels.
+def chunk_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, checkpoint_every_n_tokens,
+                     opts: KDAOptions):
+    """Validated inputs (see ``kdakit.chunk_kda``) and their ``KDAOptions`` -> ``(o, final_state or None)``
+    via the Triton kernels (final state when ``opts.output_final_state``).
 
-    ``seqlens``: the per-sequence lengths of ``cu_seqlens`` already on the host (``KDAShape.seqlens``);
-    None reads them from ``cu_seqlens``.
+    The lengths of packed sequences come from ``opts.shape.seqlens`` (validation read them); an object built
+    without validation has none, and they are then read from ``cu_seqlens``.
     """
-    seqlens = _checked(q, k, v, g, beta, cu_seqlens, seqlens, flags)
+    seqlens = _checked(q, k, v, g, beta, cu_seqlens, opts.shape.seqlens)
     return ChunkKDATritonFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, seqlens,
-                                        float(scale), bool(output_final_state), checkpoint_every_n_tokens,
-                                        dict(flags))
+                                        checkpoint_every_n_tokens, opts)
 
 
 def _plan(q, v, A_log, initial_state, seqlens, output_final_state, checkpoint_every_n_tokens, checkpoint_dtype):
@@ -94,15 +91,12 @@ def _plan(q, v, A_log, initial_state, seqlens, output_final_state, checkpoint_ev
                     checkpoint_dtype=checkpoint_dtype)
 
 
-def _checked(q, k, v, g, beta, cu_seqlens, seqlens, flags) -> tuple | None:
+def _checked(q, k, v, g, beta, cu_seqlens, seqlens) -> tuple | None:
     """What the Triton kernels need beyond validation; returns the host lengths of packed sequences."""
     if cu_seqlens is None:
         seqlens = None
     elif seqlens is None:
         seqlens = tuple(sequence_lengths(1, 0, cu_seqlens))
-    unknown = set(flags) - set(_FLAGS)
-    if unknown:
-        raise TypeError(f"chunk_kda_triton got unexpected options {sorted(unknown)}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous for the Triton kernels, got strides {tuple(t.stride())}")
@@ -112,17 +106,14 @@ def _checked(q, k, v, g, beta, cu_seqlens, seqlens, flags) -> tuple | None:
     return seqlens
 
 
-def chunk_kda_triton_states(q, k, v, g, beta, *, scale, A_log, dt_bias, initial_state, output_final_state,
-                            cu_seqlens, checkpoint_every_n_tokens=None, seqlens=None, **flags):
+def chunk_kda_triton_states(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions):
     """``chunk_kda(..., return_intermediate_states=True)`` on the Triton kernels (inference, no autograd):
     ``(o, final_state or None, h)``. h is the forward's own checkpoint store at a 64-token cadence, written
     in k's dtype and the requested state layout straight from the state kernel: ``[B, NT, HV, K, V]``
     (``[.., V, K]`` with state_v_first), B = 1 and NT over all sequences when packed (FLA's h)."""
-    del checkpoint_every_n_tokens  # the cadence is h's, 64 tokens
-    seqlens = _checked(q, k, v, g, beta, cu_seqlens, seqlens, flags)
-    plan = _plan(q, v, A_log, initial_state, seqlens, output_final_state, INTERMEDIATE_STATE_TOKENS, k.dtype)
-    o, final, h = chunk_kda_fwd(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
-                                initial_state=initial_state, output_final_state=output_final_state,
-                                cu_seqlens=cu_seqlens, plan=plan, checkpoint_dtype=k.dtype,
-                                checkpoint_v_first=bool(flags.get("state_v_first")), **flags)
+    seqlens = _checked(q, k, v, g, beta, cu_seqlens, opts.shape.seqlens)
+    plan = _plan(q, v, A_log, initial_state, seqlens, opts.output_final_state, INTERMEDIATE_STATE_TOKENS, k.dtype)
+    o, final, h = chunk_kda_fwd(q, k, v, g, beta, opts=opts, A_log=A_log, dt_bias=dt_bias,
+                                initial_state=initial_state, cu_seqlens=cu_seqlens, plan=plan, checkpoint_dtype=k.dtype,
+                                checkpoint_v_first=opts.state_v_first)
     return o, final, h.view(1 if cu_seqlens is not None else q.shape[0], -1, *h.shape[1:])

@@ -20,6 +20,7 @@ from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.compiled import fused_recurrent_kda_via_op
 from kdakit.ops.kda.decode import fused_recurrent_kda_serving
 from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.options import kda_options
 from kdakit.ops.kda.recurrent_backward import run_recurrent_backward
 from kdakit.ops.kda.recurrent_forward import (
     BETA_RAW,
@@ -43,7 +44,7 @@ from kdakit.ops.kda.recurrent_forward import (
     qk_activation,
     softplus_fp32,
 )
-from kdakit.ops.kda.validate import flat_gate_params, validate_kda_inputs
+from kdakit.ops.kda.validate import flat_gate_params
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
@@ -87,13 +88,14 @@ __all__ = [
 class FusedRecurrentKDAFunction(torch.autograd.Function):
     """Triton forward; the backward replays the recurrence (``run_recurrent_backward``).
 
-    Saves only the inputs (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens).
-    ``outputs`` is the pair ``(o, final_state or None)`` of tensors to write; ``segment_tokens``
-    bounds the backward's scratch (it recomputes longer sequences segment by segment).
+    Saves only the inputs (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens) and the call's
+    ``KDAOptions`` (``opts``), which the backward takes whole. ``outputs`` is the pair
+    ``(o, final_state or None)`` of tensors to write; ``segment_tokens`` bounds the backward's scratch
+    (it recomputes longer sequences segment by segment).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, N, outputs, workspace,
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, outputs, workspace,
                 segment_tokens):
         o, final = outputs
         ctx.opts = opts
@@ -101,7 +103,7 @@ class FusedRecurrentKDAFunction(torch.autograd.Function):
         ctx.segment_tokens = segment_tokens
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
         launch_recurrent_forward(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                                 cu_seqlens=cu_seqlens, N=N, o=o, final_state=final, **opts)
+                                 cu_seqlens=cu_seqlens, N=opts.shape.N, opts=opts, o=o, final_state=final)
         return o if final is None else (o, final)
 
     @staticmethod
@@ -110,11 +112,11 @@ class FusedRecurrentKDAFunction(torch.autograd.Function):
         dht = rest[0] if rest else None
         grads = run_recurrent_backward(
             q, k, v, g, beta, do, dht, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-            cu_seqlens=cu_seqlens, workspace=resolve_workspace(ctx.workspace, q.device),
-            segment_tokens=ctx.segment_tokens, **ctx.opts,
+            cu_seqlens=cu_seqlens, opts=ctx.opts, segment_tokens=ctx.segment_tokens,
+            workspace=resolve_workspace(ctx.workspace, q.device),
         )
         return (grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, grads.dA_log, grads.ddt_bias, grads.dh0,
-                None, None, None, None, None, None)
+                None, None, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,14 +230,16 @@ def fused_recurrent_kda(
     if kwargs:
         raise TypeError(f"fused_recurrent_kda got unexpected keyword argument(s) {sorted(kwargs)}")
     if ssm_state_indices is not None or num_accepted_tokens is not None or inplace_final_state is not False:
-        opts = dict(
+        # decode.py's serving path still takes the options as FLA's names in a dict (it validates them itself)
+        serving_opts = dict(
             scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             lower_bound=lower_bound, state_v_first=state_v_first,
         )
         return fused_recurrent_kda_serving(
             q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-            output_final_state=output_final_state, opts=opts, cu_seqlens=cu_seqlens, safe_gate=safe_gate, out=out,
+            output_final_state=output_final_state, opts=serving_opts, cu_seqlens=cu_seqlens, safe_gate=safe_gate,
+            out=out,
             final_state_out=final_state_out, workspace=workspace, ssm_state_indices=ssm_state_indices,
             num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state,
             check_indices=check_indices, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -243,34 +247,30 @@ def fused_recurrent_kda(
     check_segment_tokens(segment_tokens)
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     backend = select_backend(device)
-    opts = dict(
-        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound, state_v_first=state_v_first,
-    )
+    # the options as given: the key of a call that an eager warm call prepared for a capture
+    given = (scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+             lower_bound, state_v_first)
     ws, prepared, signature = None, False, None
     capturing = is_capturing(device)
     if backend == "triton":
         # the forward needs no scratch (the backward resolves its own workspace when it runs)
         ws = forward_workspace(workspace, device)
         signature = call_signature("fused_recurrent_kda", q, k, v, g, beta, A_log, dt_bias, initial_state,
-                                   cu_seqlens, out, final_state_out, output_final_state, safe_gate,
-                                   tuple(sorted(opts.items())))
+                                   cu_seqlens, out, final_state_out, output_final_state, safe_gate, given)
         prepared = capturing and ws is not None and ws.is_prepared(signature)
     if capturing and not prepared:
         check_capturable_offsets("fused_recurrent_kda", cu_seqlens, cu_seqlens_cpu)
-    if prepared:
-        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-        K = q.shape[3]
-    else:
-        shape = validate_kda_inputs(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
-            state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-            engine_gate_shapes=True,
-        )
-        N, K = shape.N, shape.K
+    # a prepared capture skips the checks (the warm call made them) and reads sizes off metadata only
+    opts = kda_options(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, engine_gate_shapes=True, validate=not prepared,
+    )
+    shape = opts.shape
+    N, K = shape.N, shape.K
+    if not prepared:
         if out is not None:
             check_out("out", out, v.shape, v.dtype, device)
         if final_state_out is not None:
@@ -280,14 +280,9 @@ def fused_recurrent_kda(
                 raise ValueError("final_state_out is taken by the Triton path only, got the PyTorch backend")
             want = (N, shape.HV, shape.V, K) if state_v_first else (N, shape.HV, K, shape.V)
             check_out("final_state_out", final_state_out, want, torch.float32, device)
-    opts["scale"] = float(K ** -0.5 if scale is None else scale)
     A_log, dt_bias = flat_gate_params(A_log, dt_bias)  # engine shapes -> the [HV] / [HV * K] views read below
-    if use_gate_in_kernel:
-        A_log_k, dt_bias_k = A_log, dt_bias
-    else:
-        # FLA reads A_log, dt_bias and lower_bound only for the in-kernel gate.
-        A_log_k = dt_bias_k = None
-        opts["lower_bound"] = None
+    # FLA reads A_log, dt_bias and lower_bound only for the in-kernel gate (opts.lower_bound is None without it).
+    A_log_k, dt_bias_k = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
 
     if backend == "torch":
         # the PyTorch loop reads the offsets on the host: the host copy when there is one (validated
@@ -295,7 +290,7 @@ def fused_recurrent_kda(
         o, ht = naive_recurrent_kda(
             q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
             A_log=A_log_k, dt_bias=dt_bias_k, cu_seqlens=cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu,
-            **opts,
+            **opts.reference_kwargs(),
         )
         if out is not None:
             # out receives the values; the returned o stays the differentiable tensor.
@@ -319,11 +314,11 @@ def fused_recurrent_kda(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log_k, dt_bias_k, initial_state))
     if needs_grad:
         res = FusedRecurrentKDAFunction.apply(q, k, v, g, beta, A_log_k, dt_bias_k, initial_state, cu_seqlens,
-                                              opts, N, (o, final), workspace, segment_tokens)
+                                              opts, (o, final), workspace, segment_tokens)
         o, ht = (res, None) if final is None else res
     else:
         launch_recurrent_forward(q, k, v, g, beta, A_log=A_log_k, dt_bias=dt_bias_k, initial_state=initial_state,
-                                 cu_seqlens=cu_seqlens, N=N, o=o, final_state=final, **opts)
+                                 cu_seqlens=cu_seqlens, N=N, opts=opts, o=o, final_state=final)
         ht = final
     if not capturing:
         ws.mark_prepared(signature)

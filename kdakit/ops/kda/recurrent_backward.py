@@ -69,6 +69,7 @@ import torch
 
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.options import KDAOptions, kda_options
 from kdakit.ops.kda.recurrent_backward_kernels import (
     BWD_BLOCK_V,
     BWD_NUM_WARPS,
@@ -82,7 +83,6 @@ from kdakit.ops.kda.recurrent_backward_kernels import (
 )
 from kdakit.ops.kda.recurrent_backward_segmented import launch_segmented_backward, segment_plan
 from kdakit.ops.kda.recurrent_forward import DEFAULT_SEGMENT_TOKENS, check_kernel_layout, check_segment_tokens
-from kdakit.ops.kda.validate import validate_kda_inputs
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
@@ -111,15 +111,17 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 def run_recurrent_backward(
-    q, k, v, g, beta, do, dht, *, segment_tokens: int, cu_seqlens, workspace: Workspace, out=None, **kw,
+    q, k, v, g, beta, do, dht, *, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions,
+    segment_tokens: int, workspace: Workspace, out=None,
 ) -> KDAGrads:
     """One launch when every sequence fits in ``segment_tokens`` tokens, else the segmented driver."""
     plan = segment_plan(q.shape[0], q.shape[1], cu_seqlens, segment_tokens, workspace)
+    tensors = dict(A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu_seqlens)
     if plan is None:
-        return launch_recurrent_backward(q, k, v, g, beta, do, dht, cu_seqlens=cu_seqlens, workspace=workspace,
-                                         out=out, **kw)
-    return launch_segmented_backward(q, k, v, g, beta, do, dht, plan=plan, cu_seqlens=cu_seqlens,
-                                     workspace=workspace, out=out, **kw)
+        return launch_recurrent_backward(q, k, v, g, beta, do, dht, **tensors, opts=opts, workspace=workspace,
+                                         out=out)
+    return launch_segmented_backward(q, k, v, g, beta, do, dht, plan=plan, **tensors, opts=opts,
+                                     workspace=workspace, out=out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,47 +185,42 @@ def recurrent_kda_backward(
     check_segment_tokens(segment_tokens)
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     backend = select_backend(device)
-    opts = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                lower_bound=lower_bound, state_v_first=state_v_first)
+    # the options as given: the key of a call that an eager warm call prepared for a capture
+    given = (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+             state_v_first)
     ws, prepared, signature = None, False, None
     if backend == "triton":
         ws = resolve_workspace(workspace, device)
         signature = call_signature("recurrent_kda_backward", q, k, v, g, beta, do, dht, A_log, dt_bias,
-                                   initial_state, cu_seqlens, scale, safe_gate, tuple(sorted(opts.items())),
+                                   initial_state, cu_seqlens, scale, safe_gate, given,
                                    tuple(out) if isinstance(out, (list, tuple)) else out, segment_tokens)
         prepared = check_prepared_for_capture(ws, signature, "recurrent_kda_backward")
         if prepared and (out is None or any(
                 o is None for o, x in zip(out, (q, k, v, g, beta, A_log, dt_bias, initial_state)) if x is not None)):
             raise RuntimeError("capturing recurrent_kda_backward in a CUDA graph needs out= with every gradient "
                                "so that the capture allocates nothing")
-    if prepared:
-        K = q.shape[3]
-    else:
-        shape = validate_kda_inputs(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
-            state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        )
-        K = shape.K
-        _check_cotangents(do, dht, v, shape, state_v_first)
-    opts["scale"] = float(K ** -0.5 if scale is None else scale)
-    if not use_gate_in_kernel:
-        opts["lower_bound"] = None
+    # a prepared capture skips the checks (the warm call made them) and reads sizes off metadata only
+    opts = kda_options(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log,
+        dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu_seqlens, validate=not prepared,
+    )
+    if not prepared:
+        _check_cotangents(do, dht, v, opts.shape, state_v_first)
 
     if backend == "torch":
         return _reference_backward(q, k, v, g, beta, do, dht, A_log, dt_bias, initial_state, cu_seqlens, opts, out)
 
     if not prepared:
-        check_kernel_layout(K, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "dht": dht,
+        check_kernel_layout(opts.shape.K, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "do": do, "dht": dht,
                                 "initial_state": initial_state, "A_log": A_log, "dt_bias": dt_bias,
                                 "cu_seqlens": cu_seqlens})
     gate_args = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
     grads = run_recurrent_backward(
         q, k, v, g, beta, do, dht, A_log=gate_args[0], dt_bias=gate_args[1], initial_state=initial_state,
-        cu_seqlens=cu_seqlens, workspace=ws, out=_kernel_out(out, use_gate_in_kernel),
-        segment_tokens=segment_tokens, **opts,
+        cu_seqlens=cu_seqlens, opts=opts, segment_tokens=segment_tokens, workspace=ws,
+        out=_kernel_out(out, use_gate_in_kernel),
     )
     grads = _fill_unused_params(grads, A_log, dt_bias, out, use_gate_in_kernel)
     if not prepared:
@@ -271,15 +268,17 @@ def _fill_unused_params(grads: KDAGrads, A_log, dt_bias, out, use_gate_in_kernel
     return grads._replace(**filled)
 
 
-def _reference_backward(q, k, v, g, beta, do, dht, A_log, dt_bias, initial_state, cu_seqlens, opts, out) -> KDAGrads:
+def _reference_backward(q, k, v, g, beta, do, dht, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions,
+                        out) -> KDAGrads:
     """Gradients through autograd of the naive recurrence (the PyTorch backend)."""
     leaves = [None if x is None else x.detach().requires_grad_() for x in
               (q, k, v, g, beta, A_log, dt_bias, initial_state)]
-    gate = opts["use_gate_in_kernel"]
+    gate = opts.use_gate_in_kernel
     with torch.enable_grad():
         o, ht = naive_recurrent_kda(
             *leaves[:5], initial_state=leaves[7], output_final_state=dht is not None,
-            A_log=leaves[5] if gate else None, dt_bias=leaves[6] if gate else None, cu_seqlens=cu_seqlens, **opts,
+            A_log=leaves[5] if gate else None, dt_bias=leaves[6] if gate else None, cu_seqlens=cu_seqlens,
+            **opts.reference_kwargs(),
         )
         outs, cots = [o], [do]
         if dht is not None:

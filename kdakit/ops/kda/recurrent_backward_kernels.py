@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import gate_mode, seq_bounds
-from kdakit.ops.kda.recurrent_forward import beta_mode, beta_value, launch_recurrent_forward, load_qk_token, log_decay
+from kdakit.ops.kda.chunk_common import GATE_NONE, seq_bounds
+from kdakit.ops.kda.options import KDAOptions
+from kdakit.ops.kda.recurrent_forward import beta_value, launch_recurrent_forward, load_qk_token, log_decay
 from kdakit.ops.kda.workspace import Workspace, check_out
 
 # ---------------------------------------------------------------------------------------------
@@ -337,11 +338,11 @@ def scratch_shapes(B: int, T: int, HV: int, K: int, V: int, N: int) -> dict:
 
 
 def launch_recurrent_backward(
-    q, k, v, g, beta, do, dht, *, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel,
-    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
-    cu_seqlens, workspace: Workspace, out=None,
+    q, k, v, g, beta, do, dht, *, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions,
+    workspace: Workspace, out=None,
 ) -> KDAGrads:
-    """Run the five backward kernels. ``A_log``/``dt_bias`` are None unless the gate is in the kernel."""
+    """Run the five backward kernels. ``A_log``/``dt_bias`` are None unless the gate is in the kernel;
+    ``cu_seqlens`` is the launch's own (a segment's, from the segmented driver)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -358,58 +359,51 @@ def launch_recurrent_backward(
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), BWD_BLOCK_V)
     NV = triton.cdiv(V, BV)
-    gate = gate_mode(use_gate_in_kernel, lower_bound)
-    bmode = beta_mode(use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    lb = float(lower_bound) if lower_bound is not None else 0.0
+    scale, lb = opts.scale, opts.kernel_lower_bound
     dummy = buf["ud"]
     A = A_log if A_log is not None else dummy
     bias = dt_bias if dt_bias is not None else dummy
     cu = cu_seqlens if cu_seqlens is not None else dummy
-    flags = dict(IS_VARLEN=cu_seqlens is not None, STATE_V_FIRST=state_v_first, L2NORM=use_qk_l2norm_in_kernel,
-                 GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, BETA=bmode)
+    passes = dict(IS_VARLEN=cu_seqlens is not None, **opts.recurrent_constexprs())  # the two token passes
     grid = (N * HV, NV)
 
     # 1. replay: u_t
-    launch_recurrent_forward(
-        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens, N=N, u=buf["ud"],
-        block_v=BV,
-    )
+    launch_recurrent_forward(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                             cu_seqlens=cu_seqlens, N=N, opts=opts, u=buf["ud"], block_v=BV)
     # 2. reverse: dv, du_t, X_t, dh0
     _recurrent_bwd_reverse_kernel[grid](
         q, k, g, beta, A, bias, do, dht if dht is not None else dummy, buf["ud"], grads.dv,
         grads.dh0 if grads.dh0 is not None else dummy, buf["dk_part"], cu,
-        float(scale), lb, T, TT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        HAS_DHT=dht is not None, STORE_DH0=grads.dh0 is not None, **flags, num_warps=BWD_NUM_WARPS,
+        scale, lb, T, TT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        HAS_DHT=dht is not None, STORE_DH0=grads.dh0 is not None, **passes, num_warps=BWD_NUM_WARPS,
     )
     # 3. replay with adjoint terms: partial dq, dk, Z, dbeta, rowsum(dht * S_T)
     _recurrent_bwd_replay_kernel[grid](
         q, k, v, g, beta, A, bias, initial_state if initial_state is not None else dummy, do,
         dht if dht is not None else dummy, buf["ud"], buf["dq_part"], buf["dk_part"], buf["z_part"],
-        buf["dbeta_part"], buf["term_part"], cu, float(scale), lb, T, TT,
+        buf["dbeta_part"], buf["term_part"], cu, scale, lb, T, TT,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_H0=initial_state is not None, HAS_DHT=dht is not None,
-        **flags, num_warps=BWD_NUM_WARPS,
+        **passes, num_warps=BWD_NUM_WARPS,
     )
     # 4. dq, dk (token-parallel)
     _recurrent_bwd_qk_kernel[(triton.cdiv(TT, REDUCE_BLOCK_T), H)](
         q, k, buf["dq_part"], buf["dk_part"], grads.dq, grads.dk, TT,
-        NV=NV, H=H, HV=HV, K=K, BK=BK, BT=REDUCE_BLOCK_T, L2NORM=use_qk_l2norm_in_kernel, num_warps=REDUCE_NUM_WARPS,
+        NV=NV, H=H, HV=HV, K=K, BK=BK, BT=REDUCE_BLOCK_T, L2NORM=opts.use_qk_l2norm_in_kernel,
+        num_warps=REDUCE_NUM_WARPS,
     )
     # 5. dg, dbeta and per-sequence parameter partials
     _recurrent_bwd_gate_kernel[(N * HV,)](
         g, beta, A, bias, buf["z_part"], buf["dbeta_part"], buf["term_part"], grads.dg, grads.dbeta,
         buf["dA_part"], buf["dbias_part"], cu, lb, T, TT,
         NV=NV, HV=HV, K=K, BK=BK, BT=REDUCE_BLOCK_T, HAS_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
-        GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, BETA=bmode, num_warps=REDUCE_NUM_WARPS,
+        GATE=opts.gate, HAS_A=opts.has_A_log, HAS_BIAS=opts.has_dt_bias, BETA=opts.beta, num_warps=REDUCE_NUM_WARPS,
     )
     # 6. dA_log, ddt_bias
-    if gate != 0 and (grads.dA_log is not None or grads.ddt_bias is not None):
+    if opts.gate != GATE_NONE and (grads.dA_log is not None or grads.ddt_bias is not None):
         _recurrent_bwd_param_kernel[(HV,)](
             buf["dA_part"], buf["dbias_part"], grads.dA_log if A_log is not None else dummy,
             grads.ddt_bias if dt_bias is not None else dummy, N,
-            HV=HV, K=K, BK=BK, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, num_warps=1,
+            HV=HV, K=K, BK=BK, HAS_A=opts.has_A_log, HAS_BIAS=opts.has_dt_bias, num_warps=1,
         )
     return grads
 

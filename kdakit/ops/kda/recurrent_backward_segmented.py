@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.recurrent_backward_kernels import (
     BWD_BLOCK_V,
     KDAGrads,
@@ -180,9 +181,8 @@ def _scatter(src, seg: Segment, x) -> None:
 
 
 def launch_segmented_backward(
-    q, k, v, g, beta, do, dht, *, plan: SegmentPlan, A_log, dt_bias, scale, initial_state,
-    use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
-    state_v_first, cu_seqlens, workspace: Workspace, out=None,
+    q, k, v, g, beta, do, dht, *, plan: SegmentPlan, A_log, dt_bias, initial_state, cu_seqlens,
+    opts: KDAOptions, workspace: Workspace, out=None,
 ) -> KDAGrads:
     """The backward segment by segment: checkpoints forward, then ``launch_recurrent_backward`` per
     gathered segment, last first, carrying the state gradient. Every buffer is a workspace view."""
@@ -190,9 +190,6 @@ def launch_segmented_backward(
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     S = len(plan.segments)
-    opts = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                lower_bound=lower_bound, state_v_first=state_v_first)
     grads = grad_outputs(q, k, v, g, beta, A_log, dt_bias, initial_state, out)
     inputs = dict(q=q, k=k, v=v, g=g, beta=beta, do=do)
     dtypes = {n: x.dtype for n, x in inputs.items()}
@@ -209,7 +206,7 @@ def launch_segmented_backward(
     def gathered(seg, names):
         return [_gather(inputs[n], seg, view(SEG + n, seg)) for n in names]
 
-    state = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    state = (N, HV, V, K) if opts.state_v_first else (N, HV, K, V)
     ckpt = workspace.buffer(SEG + "checkpoints", (S - 1, *state), torch.float32)
     carry = workspace.buffer(SEG + "carry", (2, *state), torch.float32)
     BV = min(triton.next_power_of_2(V), BWD_BLOCK_V)
@@ -218,7 +215,7 @@ def launch_segmented_backward(
     h = initial_state
     for s, seg in enumerate(plan.segments[:-1]):
         launch_recurrent_forward(*gathered(seg, ("q", "k", "v", "g", "beta")), A_log=A_log, dt_bias=dt_bias,
-                                 initial_state=h, cu_seqlens=seg.cu, N=N, final_state=ckpt[s], block_v=BV, **opts)
+                                 initial_state=h, cu_seqlens=seg.cu, N=N, opts=opts, final_state=ckpt[s], block_v=BV)
         h = ckpt[s]
 
     # 2. segments last first: each starts from its checkpoint and ends on the carried dS
@@ -232,8 +229,8 @@ def launch_segmented_backward(
         seg_out.append(grads.dh0 if s == 0 else carry[s % 2])
         part = launch_recurrent_backward(
             *gathered(seg, ("q", "k", "v", "g", "beta", "do")), dh, A_log=A_log, dt_bias=dt_bias,
-            initial_state=initial_state if s == 0 else ckpt[s - 1], cu_seqlens=seg.cu, workspace=workspace,
-            out=seg_out, **opts,
+            initial_state=initial_state if s == 0 else ckpt[s - 1], cu_seqlens=seg.cu, opts=opts,
+            workspace=workspace, out=seg_out,
         )
         for i in range(5):
             _scatter(part[i], seg, grads[i])

@@ -25,6 +25,8 @@ recurrence from the initial state.
 Layering (no module imports one that imports it back): this module imports no other recurrent
 module; ``recurrent_backward_kernels``, ``recurrent_backward_segmented`` and ``decode`` build on
 it, and ``recurrent_backward`` / ``fused_recurrent`` (the public ops, autograd) on all of them.
+``options`` (a call's ``KDAOptions``) imports its beta modes, so the launcher here takes that object
+without importing its class.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import gate_mode, seq_bounds
+from kdakit.ops.kda.chunk_common import seq_bounds
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -44,7 +46,8 @@ MAX_HEAD_DIM = 256          # BK = next_pow2(K) lives in registers with a [BK, B
 FWD_BLOCK_V = 16
 FWD_NUM_WARPS = 4
 
-# Beta modes (constexpr BETA); the gate modes (constexpr GATE) are chunk_common's.
+# Beta modes (constexpr BETA); the gate modes (constexpr GATE) are chunk_common's. A call's mode is
+# encoded once, into its KDAOptions (options.py).
 BETA_RAW, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
 
 L2NORM_EPS = 1e-6
@@ -231,17 +234,20 @@ def check_kernel_layout(K: int, tensors: dict) -> None:
 
 
 def launch_recurrent_forward(
-    q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel,
-    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
-    cu_seqlens, N, o=None, final_state=None, u=None, block_v: int = FWD_BLOCK_V, num_warps: int = FWD_NUM_WARPS,
+    q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, N, opts, o=None,
+    final_state=None, u=None, block_v: int = FWD_BLOCK_V, num_warps: int = FWD_NUM_WARPS,
 ) -> None:
-    """Launch the forward kernel; writes ``o`` (v's dtype), ``final_state`` and/or ``u`` (fp32) when given."""
+    """Launch the forward kernel; writes ``o`` (v's dtype), ``final_state`` and/or ``u`` (fp32) when given.
+
+    ``opts``: the call's ``options.KDAOptions`` (not imported here: options.py builds on this module's
+    beta modes). ``A_log`` / ``dt_bias``: None unless the gate is in the kernel (``opts.has_A_log``,
+    ``opts.has_dt_bias``). ``cu_seqlens`` and ``N`` are the launch's own (a segment of the backward has
+    its own offsets)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), block_v)
     grid = (N * HV, triton.cdiv(V, BV))
-    gate = gate_mode(use_gate_in_kernel, lower_bound)
     dummy = q  # pointer for absent optional tensors; never dereferenced (constexpr flags)
     _recurrent_fwd_kernel[grid](
         q, k, v, g, beta,
@@ -252,12 +258,10 @@ def launch_recurrent_forward(
         final_state if final_state is not None else dummy,
         u if u is not None else dummy,
         cu_seqlens if cu_seqlens is not None else dummy,
-        float(scale), float(lower_bound) if lower_bound is not None else 0.0, T,
+        opts.scale, opts.kernel_lower_bound, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         USE_H0=initial_state is not None, STORE_HT=final_state is not None,
         STORE_O=o is not None, STORE_U=u is not None,
-        IS_VARLEN=cu_seqlens is not None, STATE_V_FIRST=state_v_first, L2NORM=use_qk_l2norm_in_kernel,
-        GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
-        BETA=beta_mode(use_beta_sigmoid_in_kernel, allow_neg_eigval),
+        IS_VARLEN=cu_seqlens is not None, **opts.recurrent_constexprs(),
         num_warps=num_warps,
     )

@@ -41,6 +41,14 @@ class KDAShape:
     seqlens: tuple[int, ...] | None = None
 
 
+def metadata_shape(q: torch.Tensor, v: torch.Tensor, cu_seqlens) -> KDAShape:
+    """``KDAShape`` from metadata alone: no check, no read (``seqlens`` is None). For a CUDA-graph capture
+    of a call that an eager warm call validated, where reading ``cu_seqlens`` is illegal."""
+    B, T, H, K = q.shape
+    return KDAShape(B=B, T=T, H=H, HV=v.shape[2], K=K, V=v.shape[3],
+                    N=B if cu_seqlens is None else cu_seqlens.numel() - 1)
+
+
 def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
@@ -145,6 +153,10 @@ def validate_kda_inputs(
     engine_gate_shapes: bool = False,
 ) -> KDAShape:
     """Check the full ``chunk_kda`` / ``fused_recurrent_kda`` contract (docs/spec.md §2).
+
+    ``chunk_kda``, ``fused_recurrent_kda`` and ``recurrent_kda_backward`` call it through
+    ``options.kda_options``, which adds the call's options and their kernel encodings to the returned
+    shape (one frozen ``KDAOptions``); ``kda_decode`` and the serving path still call it directly.
 
     ``cu_seqlens_cpu`` (FLA 0.6.0's argument): a CPU int32/int64 tensor holding the same offsets
     as ``cu_seqlens``. When given, its values are checked (start 0, non-decreasing, end at T) and

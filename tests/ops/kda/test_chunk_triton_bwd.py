@@ -28,6 +28,7 @@ import torch
 
 from kdakit.ops.kda.chunk_bwd_reference import chunk_kda_bwd_reference, reference_checkpoints
 from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.options import kda_options
 from kdakit.ops.kda.plan import backward_workspace_allocations, plan_kda
 from kdakit.testing import assert_close
 
@@ -167,9 +168,12 @@ def _kernel_call(c, ckpts, safe, L=L_CKPT, L2=L_RECOMPUTE, offsets=None, **extra
     plan = plan_kda(f32["q"], f32["v"], cu_seqlens=kw["cu_seqlens"], checkpoint_every_n_tokens=L,
                     initial_state=f32["h0"] is not None, gate_params=kw["A_log"] is not None)
     plan = replace(plan, recompute_every_n_tokens=L2)
+    tensors = {n: kw.pop(n) for n in ("A_log", "dt_bias", "cu_seqlens")}
+    opts = kda_options(f32["q"], f32["k"], f32["v"], f32["g"], f32["beta"], initial_state=f32["h0"], safe_gate=safe,
+                       **tensors, **kw)
     return chunk_kda_bwd(f32["q"], f32["k"], f32["v"], f32["g"], f32["beta"], f32["do"], f32["dht"],
-                         checkpoints=ckpts.float().contiguous(), initial_state=f32["h0"], safe_gate=safe,
-                         plan=plan, ckpt_offsets=offsets, **kw, **extra)
+                         checkpoints=ckpts.float().contiguous(), initial_state=f32["h0"], plan=plan,
+                         ckpt_offsets=offsets, opts=opts, **tensors, **extra)
 
 
 KERNEL_CASES = {

@@ -31,6 +31,7 @@ from kdakit.ops.kda.chunk_common import (  # noqa: E402
 )
 
 from kdakit.ops.kda.naive import naive_recurrent_kda  # noqa: E402
+from kdakit.ops.kda.options import kda_options  # noqa: E402
 from kdakit.ops.kda.plan import (  # noqa: E402
     Allocation,
     checkpoint_offsets,
@@ -71,8 +72,10 @@ def _run_both(q, k, v, g, beta, *, cu_seqlens=None, initial_state=None, plan=Non
 
     K = q.shape[-1]
     scale = K**-0.5
-    o, ht, ck = chunk_kda_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                              output_final_state=True, cu_seqlens=cu_seqlens, plan=plan, **opts)
+    call = kda_options(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                       cu_seqlens=cu_seqlens, **opts)
+    o, ht, ck = chunk_kda_fwd(q, k, v, g, beta, opts=call, A_log=opts.get("A_log"), dt_bias=opts.get("dt_bias"),
+                              initial_state=initial_state, cu_seqlens=cu_seqlens, plan=plan)
     ref_opts = {kk: vv for kk, vv in opts.items() if kk != "safe_gate"}
     for name in ("A_log", "dt_bias"):
         if ref_opts.get(name) is not None:
@@ -310,11 +313,10 @@ def test_intra_kernel_outputs(name):
     beta = _beta_for(beta, opts)
     cu = None if lengths is None else torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
     plan = plan_kda(q, v, cu_seqlens=cu)
-    flags = dict(A_log=None, dt_bias=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                 use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None)
-    flags.update(opts)
+    call = kda_options(q, k, v, g, beta, cu_seqlens=cu, **opts)
     o = torch.full_like(v, float("nan"))
-    w, qg, kd, aqk, gc, table = chunk_kda_fwd_intra(q, k, v, g, beta, o, cu_seqlens=cu, plan=plan, **flags)
+    w, qg, kd, aqk, gc, table = chunk_kda_fwd_intra(q, k, v, g, beta, o, A_log=opts.get("A_log"),
+                                                    dt_bias=opts.get("dt_bias"), cu_seqlens=cu, plan=plan, opts=call)
     ref = _intra_reference(q, k, v, g, beta, [T] * B if lengths is None else lengths, **opts)
     assert gc.shape == (plan.num_chunks, HV, K) == ref["gc"].shape
     assert (table is None) == (cu is None)
@@ -362,11 +364,12 @@ def test_launcher_rejects_bad_layouts():
     from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd
 
     (q, k, v, g, beta), _ = _inputs(1, 16, 1, 1, 16, 16, gate_in_kernel=False)
+    strided = torch.randn(1, 16, 1, 32)[..., :16]
     with pytest.raises(ValueError, match="q must be contiguous"):
-        chunk_kda_fwd(torch.randn(1, 16, 1, 32)[..., :16], k, v, g, beta, scale=0.25)
+        chunk_kda_fwd(strided, k, v, g, beta, opts=kda_options(strided, k, v, g, beta, scale=0.25))
     (q, k, v, g, beta), _ = _inputs(1, 16, 1, 1, 160, 16, gate_in_kernel=False)
     with pytest.raises(ValueError, match="K, V <= 128"):
-        chunk_kda_fwd(q, k, v, g, beta, scale=0.25)
+        chunk_kda_fwd(q, k, v, g, beta, opts=kda_options(q, k, v, g, beta, scale=0.25))
 
 
 # ----------------------------------------------------------------------------------------

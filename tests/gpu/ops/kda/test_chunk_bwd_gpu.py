@@ -49,20 +49,28 @@ def _plan(c, L=None):
                     initial_state=c["h0"] is not None, output_final_state=c["dht"] is not None)
 
 
+def _options(c, flags):
+    from kdakit.ops.kda.options import kda_options
+
+    # the launchers' contract: inputs as chunk_kda hands them over (this tier never validated them)
+    return kda_options(c["q"], c["k"], c["v"], c["g"], c["beta"], scale=D ** -0.5, initial_state=c["h0"],
+                       output_final_state=c["dht"] is not None, A_log=c["A_log"], dt_bias=c["dt_bias"],
+                       state_v_first=c["vfirst"], cu_seqlens=c["cu"], validate=False, **flags)
+
+
 def _forward(c, flags, plan):
     from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd
 
-    return chunk_kda_fwd(c["q"], c["k"], c["v"], c["g"], c["beta"], scale=D ** -0.5, A_log=c["A_log"],
-                         dt_bias=c["dt_bias"], initial_state=c["h0"], output_final_state=c["dht"] is not None,
-                         state_v_first=c["vfirst"], cu_seqlens=c["cu"], plan=plan, **flags)
+    return chunk_kda_fwd(c["q"], c["k"], c["v"], c["g"], c["beta"], opts=_options(c, flags), A_log=c["A_log"],
+                         dt_bias=c["dt_bias"], initial_state=c["h0"], cu_seqlens=c["cu"], plan=plan)
 
 
 def _backward(c, flags, plan, ckpts, **extra):
     from kdakit.ops.kda.chunk_bwd import chunk_kda_bwd
 
     return chunk_kda_bwd(c["q"], c["k"], c["v"], c["g"], c["beta"], c["do"], c["dht"], checkpoints=ckpts,
-                         scale=D ** -0.5, A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"],
-                         state_v_first=c["vfirst"], cu_seqlens=c["cu"], plan=plan, **flags, **extra)
+                         A_log=c["A_log"], dt_bias=c["dt_bias"], initial_state=c["h0"], cu_seqlens=c["cu"],
+                         plan=plan, opts=_options(c, flags), **extra)
 
 
 def _reference_grads(c, flags):

@@ -40,10 +40,14 @@ def _inputs(B, T, H, HV, K, V, *, dtype=torch.bfloat16, raw_gate=False, seed=0):
     return [x.to(dtype) for x in (q, k, v, g, beta)], params
 
 
-def _forward(q, k, v, g, beta, **kw):
+def _forward(q, k, v, g, beta, *, plan=None, **kw):
     from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd
+    from kdakit.ops.kda.options import kda_options
 
-    return chunk_kda_fwd(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, output_final_state=True, **kw)
+    # the launcher's contract: inputs as chunk_kda hands them over (this tier never validated them)
+    opts = kda_options(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, output_final_state=True, validate=False, **kw)
+    tensors = {n: kw.get(n) for n in ("A_log", "dt_bias", "initial_state", "cu_seqlens")}
+    return chunk_kda_fwd(q, k, v, g, beta, opts=opts, plan=plan, **tensors)
 
 
 def _reference(q, k, v, g, beta, *, initial_state=None, **kw):
