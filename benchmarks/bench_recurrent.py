@@ -54,7 +54,7 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # FLA's native Trito
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kdakit.ops.kda.decode import kda_decode, kda_decode_reference  # noqa: E402
+from kdakit.ops.kda.decode import decode_options, kda_decode, kda_decode_reference  # noqa: E402
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda  # noqa: E402
 from kdakit.ops.kda.naive import naive_recurrent_kda  # noqa: E402
 from kdakit.ops.kda.recurrent_backward import recurrent_kda_backward  # noqa: E402
@@ -205,9 +205,10 @@ def _decode_reference(t, opts, pool, idx, acc=None):
     ``acc``: num_accepted_tokens with ``[N, S]`` indices."""
     N, K = t["q"].shape[0], t["q"].shape[3]
     ref_pool, ref_o = pool.clone(), torch.empty_like(t["v"])
-    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, acc, ref_o,
-                         A_log=t["A_log"], dt_bias=t["dt_bias"], scale=K ** -0.5, cu_seqlens=None, N=N,
-                         allow_neg_eigval=False, **opts)
+    kopts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                           scale=K ** -0.5, **opts)
+    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, acc, ref_o, kopts,
+                         A_log=t["A_log"], dt_bias=t["dt_bias"], cu_seqlens=None, N=N)
     return ref_o, ref_pool
 
 

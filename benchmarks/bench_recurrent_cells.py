@@ -18,8 +18,7 @@ import time
 
 import torch
 
-from kdakit.ops.kda.decode import decode_launch_config, kda_decode, launch_kda_decode
-from kdakit.ops.kda.validate import flat_gate_params
+from kdakit.ops.kda.decode import decode_launch_config, decode_options, kda_decode, kernel_gate_params, launch_kda_decode
 
 # Speculative decoding (issue #13 item 9): S tokens per sequence, state_indices [N, S], num_accepted_tokens [N]
 SPEC_S = 4
@@ -113,13 +112,13 @@ class SweepPlan:
 def _launch_fn(t, opts, pool, idx, out, block_v, num_warps):
     """kda_decode's kernel at one launch config: kda_decode's own launcher (``kda_decode`` itself always
     launches decode.py's ``decode_launch_config``), without kda_decode's validation."""
-    N, K = t["q"].shape[0], t["q"].shape[3]
-    A_log, dt_bias = flat_gate_params(t["A_log"], t["dt_bias"])
+    N = t["q"].shape[0]
+    kopts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"], **opts)
+    A_log, dt_bias = kernel_gate_params(kopts, t["A_log"], t["dt_bias"])
 
     def run():
-        launch_kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, None, out, A_log=A_log,
-                          dt_bias=dt_bias, scale=K ** -0.5, cu_seqlens=None, N=N, allow_neg_eigval=False,
-                          block_v=block_v, num_warps=num_warps, **opts)
+        launch_kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, None, out, kopts, A_log=A_log,
+                          dt_bias=dt_bias, cu_seqlens=None, N=N, block_v=block_v, num_warps=num_warps)
     return run
 
 

@@ -664,7 +664,7 @@ def test_bench_recurrent_speculative_gates_catch_the_wrong_initial_row(monkeypat
     # a reference that ignores num_accepted_tokens fails kdakit's gate: nothing is timed
     calls = _cpu_bench(monkeypatch, br, [])
     ref = br.kda_decode_reference
-    monkeypatch.setattr(br, "kda_decode_reference", lambda q, k, v, g, beta, pool, idx, acc, o, **kw:
-                        ref(q, k, v, g, beta, pool, idx, None, o, **kw))
+    monkeypatch.setattr(br, "kda_decode_reference", lambda q, k, v, g, beta, pool, idx, acc, o, opts, **kw:
+                        ref(q, k, v, g, beta, pool, idx, None, o, opts, **kw))
     r = br.bench_speculative(4, torch.bfloat16, copy_GBps=1.0, iters=8, S=4, H=2, K=16, V=16)
     assert r["error"] == "correctness gate failed" and "kdakit_graph_ms" not in r and calls == []

@@ -43,10 +43,10 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import select_backend, triton_interpreting
-from kdakit.ops.kda.chunk_common import gate_mode, round_to_bf16, round_to_bf16_if, seq_bounds
+from kdakit.ops.kda.chunk_common import round_to_bf16, round_to_bf16_if, seq_bounds
 from kdakit.ops.kda.compiled import kda_decode_via_op
+from kdakit.ops.kda.options import KDAOptions, kda_options
 from kdakit.ops.kda.recurrent_forward import (
-    beta_mode,
     beta_value,
     check_kernel_layout,
     load_token_raw,
@@ -54,7 +54,7 @@ from kdakit.ops.kda.recurrent_forward import (
     qk_activation,
 )
 from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
-from kdakit.ops.kda.validate import STATE_DTYPES, check_pool_rows, flat_gate_params, validate_kda_inputs
+from kdakit.ops.kda.validate import STATE_DTYPES, check_pool_rows, flat_gate_params
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
@@ -205,15 +205,15 @@ def _pool_recurrent_kernel(
 # Launcher and PyTorch reference
 # ---------------------------------------------------------------------------------------------
 
-def launch_pool_recurrent(q, k, v, g, beta, o, *, h0, ht, state_indices, num_accepted_tokens, write, round_state,
-                          state_v_first, A_log, dt_bias, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                          use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, cu_seqlens, N,
+def launch_pool_recurrent(q, k, v, g, beta, o, opts: KDAOptions, *, h0, ht, state_indices, num_accepted_tokens,
+                          write, round_state, A_log, dt_bias, cu_seqlens, N,
                           block_v: int | None = None, num_warps: int | None = None) -> None:
     """Launch the pool kernel: states read from row(s) of ``h0`` and written to ``ht`` as ``write`` says.
     ``block_v`` / ``num_warps`` (None: ``decode_launch_config``'s) are for benchmarks' sweeps.
 
     ``h0``/``ht`` rows are read through their row stride (padded rows need no copy); within a
-    row the layout is dense ``[HV, V, K]`` (``state_v_first``) or ``[HV, K, V]``.
+    row the layout is dense ``[HV, V, K]`` (``opts.state_v_first``) or ``[HV, K, V]``. ``A_log`` /
+    ``dt_bias`` are the flat views of the in-kernel gate's parameters (None without it).
     """
     if N == 0:
         return  # no sequence: nothing to run (a zero-sized grid is not a launch)
@@ -239,33 +239,30 @@ def launch_pool_recurrent(q, k, v, g, beta, o, *, h0, ht, state_indices, num_acc
         h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         idx if idx is not None else dummy, acc if acc is not None else dummy, o,
         cu_seqlens if cu_seqlens is not None else dummy,
-        float(scale), float(lower_bound) if lower_bound is not None else 0.0, T,
+        opts.scale, opts.kernel_lower_bound, T,
         h0.shape[0] if h0 is not None else 0, ht.shape[0] if ht is not None else 0,
         h0.stride(0) if h0 is not None else 0, ht.stride(0) if ht is not None else 0,
         idx_strides[0], idx_strides[1], acc.stride(0) if acc is not None else 0,
         H=H, HV=HV, K=K, V=V, IDX_COLS=idx_cols, BK=BK, BV=BV,
         HAS_INDICES=idx is not None, USE_H0=h0 is not None, WRITE=write, HAS_ACCEPTED=acc is not None,
-        ROUND_STATE=round_state, ROUND_STORE=round_store, STATE_V_FIRST=state_v_first,
-        IS_VARLEN=cu_seqlens is not None, L2NORM=use_qk_l2norm_in_kernel, NATIVE_ROUND=not triton_interpreting(),
-        GATE=gate_mode(use_gate_in_kernel, lower_bound), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
-        BETA=beta_mode(use_beta_sigmoid_in_kernel, allow_neg_eigval), num_warps=num_warps,
+        ROUND_STATE=round_state, ROUND_STORE=round_store, IS_VARLEN=cu_seqlens is not None,
+        NATIVE_ROUND=not triton_interpreting(), **opts.recurrent_constexprs(), num_warps=num_warps,
     )
 
 
 @torch.no_grad()
-def pool_recurrent_reference(q, k, v, g, beta, o, *, h0, ht, state_indices, num_accepted_tokens, write,
-                             round_state, state_v_first, A_log, dt_bias, scale, use_qk_l2norm_in_kernel,
-                             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
-                             cu_seqlens, N) -> None:
+def pool_recurrent_reference(q, k, v, g, beta, o, opts: KDAOptions, *, h0, ht, state_indices, num_accepted_tokens,
+                             write, round_state, A_log, dt_bias, cu_seqlens, N) -> None:
     """``launch_pool_recurrent`` in PyTorch (fp32 math, float64 for float64 inputs), the same semantics."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dt = compute_dtype(q, k, v, g, beta)
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
+    if opts.use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    a = kda_gate(g, A_log, dt_bias, lower_bound) if use_gate_in_kernel else g
-    b = kda_beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    a = kda_gate(g, A_log, dt_bias, opts.lower_bound) if opts.use_gate_in_kernel else g
+    b = kda_beta(beta, opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval)
+    scale, state_v_first = opts.scale, opts.state_v_first
     q = q.repeat_interleave(HV // H, dim=2).reshape(B * T, HV, K)
     k = k.repeat_interleave(HV // H, dim=2).reshape(B * T, HV, K)
     v, a, b = v.reshape(B * T, HV, V), a.reshape(B * T, HV, K), b.reshape(B * T, HV)
@@ -318,24 +315,40 @@ def pool_recurrent_reference(q, k, v, g, beta, o, *, h0, ht, state_indices, num_
             store(ht[slot], S)
 
 
-def launch_kda_decode(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o, **kw) -> None:
-    """kda_decode's step on the Triton kernel (``kw``: launch_pool_recurrent's options but the pool's)."""
-    launch_pool_recurrent(q, k, v, g, beta, o, **_decode_pool_args(state_pool, state_indices, num_accepted_tokens),
+def launch_kda_decode(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o, opts: KDAOptions,
+                      **kw) -> None:
+    """kda_decode's step on the Triton kernel (``kw``: launch_pool_recurrent's arguments but the pool's)."""
+    launch_pool_recurrent(q, k, v, g, beta, o, opts, **_decode_pool_args(state_pool, state_indices, num_accepted_tokens),
                           **kw)
 
 
-def kda_decode_reference(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o, **kw) -> None:
+def kda_decode_reference(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o, opts: KDAOptions,
+                         **kw) -> None:
     """kda_decode's step in PyTorch (fp32 math, float64 for float64 inputs), the same semantics as the kernel."""
-    pool_recurrent_reference(q, k, v, g, beta, o,
+    pool_recurrent_reference(q, k, v, g, beta, o, opts,
                              **_decode_pool_args(state_pool, state_indices, num_accepted_tokens), **kw)
 
 
 def _decode_pool_args(state_pool, state_indices, num_accepted_tokens) -> dict:
-    """kda_decode's scheme: a value-first pool updated in place, bf16 state rounded per token."""
+    """kda_decode's scheme: a value-first pool (``opts.state_v_first``) updated in place, bf16 state rounded
+    per token."""
     per_token = state_indices.dim() == 2
     return dict(h0=state_pool, ht=state_pool, state_indices=state_indices, num_accepted_tokens=num_accepted_tokens,
                 write=WRITE_PER_TOKEN_ROWS if per_token else WRITE_FINAL_TO_READ_ROW,
-                round_state=state_pool.dtype == torch.bfloat16, state_v_first=True)
+                round_state=state_pool.dtype == torch.bfloat16)
+
+
+def decode_options(q, k, v, g, beta, *, A_log=None, dt_bias=None, scale=None, use_qk_l2norm_in_kernel=False,
+                   use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                   lower_bound=None, safe_gate=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                   validate: bool = True) -> KDAOptions:
+    """``kda_options`` for a decode step: a value-first pool, FLA's engine shapes of A_log / dt_bias."""
+    return kda_options(
+        q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log,
+        dt_bias=dt_bias, state_v_first=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        engine_gate_shapes=True, validate=validate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,70 +424,67 @@ def kda_decode(
             cu_seqlens_cpu=cu_seqlens_cpu)
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     backend = select_backend(device)
-    opts = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                lower_bound=lower_bound)
+    given = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                 lower_bound=lower_bound, safe_gate=safe_gate)
     ws, prepared, signature = None, False, None
     capturing = is_capturing(device)
     if backend == "triton":
         ws = forward_workspace(workspace, device)
         signature = call_signature("kda_decode", q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias,
-                                   cu_seqlens, num_accepted_tokens, out, scale, safe_gate, check_indices,
-                                   tuple(sorted(opts.items())))
+                                   cu_seqlens, num_accepted_tokens, out, check_indices, tuple(sorted(given.items())))
         # a call an eager warm-up prepared on this stream skips validation; any other capture validates
         # from metadata and host copies only
         prepared = capturing and ws is not None and ws.is_prepared(signature)
     if capturing and not prepared:
         check_capturable_offsets("kda_decode", cu_seqlens, cu_seqlens_cpu)
-    if prepared:
-        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-        K = q.shape[3]
-    else:
-        shape = validate_kda_inputs(
-            q, k, v, g, beta, scale=scale, initial_state=None, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias, state_v_first=True,
-            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, engine_gate_shapes=True,
-        )
-        N, K = shape.N, shape.K
-        _check_pool(state_pool, state_indices, num_accepted_tokens, shape, cu_seqlens, device)
+    opts = decode_options(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+                          cu_seqlens_cpu=cu_seqlens_cpu, validate=not prepared, **given)
+    if not prepared:
+        _check_pool(state_pool, state_indices, num_accepted_tokens, opts.shape, cu_seqlens, device)
         if check_indices and not capturing:
-            _check_index_values(state_pool.shape[0], state_indices, num_accepted_tokens, shape)
+            _check_index_values(state_pool.shape[0], state_indices, num_accepted_tokens, opts.shape)
         if out is not None:
             check_out("out", out, v.shape, v.dtype, device)
-    scale = float(K ** -0.5 if scale is None else scale)
-    A_log, dt_bias = flat_gate_params(A_log, dt_bias)  # engine shapes -> the [HV] / [HV * K] views the kernel reads
-    if not use_gate_in_kernel:
-        A_log = dt_bias = None
-        opts["lower_bound"] = None
+    A_log, dt_bias = kernel_gate_params(opts, A_log, dt_bias)
     o = out if out is not None else torch.empty_like(v)
-    args = (q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o)
-    kw = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, cu_seqlens=cu_seqlens, N=N, **opts)
+    args = (q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o, opts)
+    kw = dict(A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, N=opts.shape.N)
     if backend == "torch":
         # a host loop: it reads the indices, and the offsets from their host copy when there is one
         kda_decode_reference(*args, **dict(kw, cu_seqlens=cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu))
         return o
     if not prepared:
         # the pool and the index tensors are read through their strides
-        check_kernel_layout(K, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
-                                "cu_seqlens": cu_seqlens})
+        check_kernel_layout(opts.shape.K, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log,
+                                           "dt_bias": dt_bias, "cu_seqlens": cu_seqlens})
     launch_kda_decode(*args, **kw)
     if not capturing:
         ws.mark_prepared(signature)
     return o
 
 
+def kernel_gate_params(opts: KDAOptions, A_log, dt_bias):
+    """The ``[HV]`` / ``[HV * K]`` views of the in-kernel gate's parameters the kernel reads (engine shapes
+    flattened), or None for each without the in-kernel gate (FLA reads them only for it)."""
+    if not opts.use_gate_in_kernel:
+        return None, None
+    return flat_gate_params(A_log, dt_bias)
+
+
 # ---------------------------------------------------------------------------------------------
 # fused_recurrent_kda's serving arguments (FLA 0.6.0's fused_recurrent_kda_fwd semantics)
 # ---------------------------------------------------------------------------------------------
 
-def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_state, output_final_state, opts,
-                                cu_seqlens, safe_gate, out, final_state_out, workspace, ssm_state_indices,
-                                num_accepted_tokens, inplace_final_state, check_indices, cu_seqlens_cpu=None):
-    """``fused_recurrent_kda`` with ``ssm_state_indices`` / ``num_accepted_tokens`` / ``inplace_final_state``.
+def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_state, output_final_state, scale,
+                                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                                allow_neg_eigval, lower_bound, safe_gate, state_v_first, cu_seqlens, out,
+                                final_state_out, workspace, ssm_state_indices, num_accepted_tokens,
+                                inplace_final_state, check_indices, cu_seqlens_cpu=None):
+    """``fused_recurrent_kda`` with ``ssm_state_indices`` / ``num_accepted_tokens`` / ``inplace_final_state``
+    (its arguments as ``fused_recurrent_kda`` received them; the call's ``KDAOptions`` is built here, once).
 
-    Semantics (FLA 0.6.0's ``fused_recurrent_kda_fwd``; ``opts`` holds scale, the in-kernel
-    options and state_v_first, as ``fused_recurrent_kda`` builds them):
+    Semantics (FLA 0.6.0's ``fused_recurrent_kda_fwd``):
 
     * ``initial_state`` is a pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` with state_v_first) when
       ``ssm_state_indices`` is given: ``[N]`` (column 0 only) or ``[N, S]``. Sequence ``n``
@@ -505,33 +515,28 @@ def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_sta
         # FLA 0.6.0 ignores num_accepted_tokens without indices; a count nobody reads is a caller bug
         raise ValueError("num_accepted_tokens picks the column of ssm_state_indices to read the initial state "
                          "from and needs ssm_state_indices, got ssm_state_indices=None")
-    state_v_first = opts["state_v_first"]
-    kernel_opts = {n: x for n, x in opts.items() if n not in ("scale", "state_v_first")}
+    given = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                 lower_bound=lower_bound, safe_gate=safe_gate, state_v_first=state_v_first)
     ws, prepared, signature = None, False, None
     capturing = is_capturing(device)
     if backend == "triton":
         ws = forward_workspace(workspace, device)
         signature = call_signature("fused_recurrent_kda_serving", q, k, v, g, beta, A_log, dt_bias, initial_state,
                                    cu_seqlens, out, final_state_out, ssm_state_indices, num_accepted_tokens,
-                                   inplace_final_state, output_final_state, safe_gate, check_indices,
-                                   tuple(sorted(opts.items())))
+                                   inplace_final_state, output_final_state, check_indices, tuple(sorted(given.items())))
         # as kda_decode: a prepared call skips validation, any other capture validates from host data only
         prepared = capturing and ws is not None and ws.is_prepared(signature)
     if capturing and not prepared:
         check_capturable_offsets("fused_recurrent_kda", cu_seqlens, cu_seqlens_cpu)
-    if prepared:
-        N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-        K = q.shape[3]
-    else:
-        shape = validate_kda_inputs(
-            q, k, v, g, beta, scale=opts["scale"],
-            initial_state=initial_state if ssm_state_indices is None else None,
-            use_gate_in_kernel=opts["use_gate_in_kernel"], use_beta_sigmoid_in_kernel=opts["use_beta_sigmoid_in_kernel"],
-            allow_neg_eigval=opts["allow_neg_eigval"], safe_gate=safe_gate, lower_bound=opts["lower_bound"],
-            A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu, engine_gate_shapes=True,
-        )
-        N, K = shape.N, shape.K
+    # with indices, initial_state is a pool of rows (checked by _check_serving_args), not [N, ...] states
+    opts = kda_options(q, k, v, g, beta, initial_state=initial_state if ssm_state_indices is None else None,
+                       output_final_state=output_final_state,
+                       A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                       engine_gate_shapes=True, validate=not prepared, **given)
+    shape = opts.shape
+    N, K = shape.N, shape.K
+    if not prepared:
         _check_serving_args(q, k, v, g, beta, A_log, dt_bias, shape, initial_state, ssm_state_indices,
                             num_accepted_tokens, inplace_final_state, output_final_state, out, final_state_out,
                             state_v_first, device)
@@ -541,12 +546,7 @@ def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_sta
                                         ssm_state_indices, num_accepted_tokens, lengths,
                                         reads=initial_state is not None, writes=inplace_final_state)
     HV, V = v.shape[2], v.shape[3]
-    scale = float(K ** -0.5 if opts["scale"] is None else opts["scale"])
-    A_log, dt_bias = flat_gate_params(A_log, dt_bias)  # engine shapes -> the [HV] / [HV * K] views the kernel reads
-    if not opts["use_gate_in_kernel"]:
-        # FLA reads A_log, dt_bias and lower_bound only for the in-kernel gate.
-        A_log = dt_bias = None
-        kernel_opts["lower_bound"] = None
+    A_log, dt_bias = kernel_gate_params(opts, A_log, dt_bias)
     o = out if out is not None else torch.empty_like(v)
     if inplace_final_state:
         final = ht = initial_state
@@ -561,17 +561,16 @@ def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_sta
         final = ht = None
         write = WRITE_NONE
     kw = dict(h0=initial_state, ht=ht, state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-              write=write, round_state=False, state_v_first=state_v_first, A_log=A_log, dt_bias=dt_bias,
-              scale=scale, cu_seqlens=cu_seqlens, N=N, **kernel_opts)
+              write=write, round_state=False, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, N=N)
     if backend == "torch":
         # a host loop, as kda_decode's: the offsets from their host copy when there is one
-        pool_recurrent_reference(q, k, v, g, beta, o,
+        pool_recurrent_reference(q, k, v, g, beta, o, opts,
                                  **dict(kw, cu_seqlens=cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu))
         return o, final
     if not prepared:
         check_kernel_layout(K, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
                                 "cu_seqlens": cu_seqlens})
-    launch_pool_recurrent(q, k, v, g, beta, o, **kw)
+    launch_pool_recurrent(q, k, v, g, beta, o, opts, **kw)
     if not capturing:
         ws.mark_prepared(signature)
     return o, final

@@ -230,16 +230,12 @@ def fused_recurrent_kda(
     if kwargs:
         raise TypeError(f"fused_recurrent_kda got unexpected keyword argument(s) {sorted(kwargs)}")
     if ssm_state_indices is not None or num_accepted_tokens is not None or inplace_final_state is not False:
-        # decode.py's serving path still takes the options as FLA's names in a dict (it validates them itself)
-        serving_opts = dict(
-            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            lower_bound=lower_bound, state_v_first=state_v_first,
-        )
         return fused_recurrent_kda_serving(
             q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-            output_final_state=output_final_state, opts=serving_opts, cu_seqlens=cu_seqlens, safe_gate=safe_gate,
-            out=out,
+            output_final_state=output_final_state, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, safe_gate=safe_gate,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens, out=out,
             final_state_out=final_state_out, workspace=workspace, ssm_state_indices=ssm_state_indices,
             num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state,
             check_indices=check_indices, cu_seqlens_cpu=cu_seqlens_cpu)

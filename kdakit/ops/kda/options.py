@@ -1,14 +1,14 @@
 """A call's options, decided once: ``kda_options`` validates and returns one frozen ``KDAOptions``.
 
-The public ops (``chunk_kda``, ``fused_recurrent_kda``, ``recurrent_kda_backward``) build it from their
-FLA arguments; every launcher below them (chunk forward and backward, the 64-token pipeline, the recurrent
-forward and backward) takes it whole and reads the kernel encodings from it (``GATE``, the beta mode,
+The public ops (``chunk_kda``, ``fused_recurrent_kda`` and its serving arguments, ``recurrent_kda_backward``,
+``kda_decode``) build it from their FLA arguments; every launcher below them (chunk forward and backward, the
+64-token pipeline, the recurrent forward and backward, the pool kernel of decode and serving) takes it whole and reads the kernel encodings from it (``GATE``, the beta mode,
 the SAFE pairwise path, the lower bound and the scale in kernel form), so nothing is re-derived on the
 way down and no option travels loose. Two places flatten it, on purpose: the custom-op schemas
 (``custom_ops.py``, ``compiled.py``), since a schema holds plain values (each op's implementation calls the
 public op, which builds the object again with this one function), and the PyTorch references, which keep
-FLA's keyword arguments (``KDAOptions.reference_kwargs``). ``kda_decode`` and the serving path
-(``decode.py``) do not take it yet.
+FLA's keyword arguments (``KDAOptions.reference_kwargs``; the pool kernel's twin, ``pool_recurrent_reference``,
+takes the object as its launcher does).
 
 What depends on the tensors of a launch rather than on the options (``IS_VARLEN``, since the recurrent
 backward's segments carry their own offsets; dot precisions from the dtype) stays with the launcher.

@@ -4,7 +4,7 @@ rows for speculative decoding, bf16 state) on the Triton interpreter and the PyT
 import pytest
 import torch
 
-from kdakit.ops.kda.decode import kda_decode, kda_decode_reference
+from kdakit.ops.kda.decode import decode_options, kda_decode, kda_decode_reference
 from kdakit.ops.kda.naive import naive_recurrent_kda
 from kdakit.testing import assert_close, make_kda_inputs
 
@@ -206,10 +206,11 @@ def test_reference_is_used_on_cpu_by_default(monkeypatch):
     idx = torch.tensor([1, 0], dtype=torch.int32)
     o = _decode(t, kw, pool_a, idx)
     o_ref = torch.empty_like(t["v"])
-    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], pool_b, idx, None, o_ref,
-                         A_log=t["A_log"], dt_bias=t["dt_bias"], scale=8 ** -0.5, lower_bound=None,
-                         cu_seqlens=None, N=2, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                         use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False)
+    opts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                          scale=8 ** -0.5, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                          use_beta_sigmoid_in_kernel=True)
+    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], pool_b, idx, None, o_ref, opts,
+                         A_log=t["A_log"], dt_bias=t["dt_bias"], cu_seqlens=None, N=2)
     assert torch.equal(o, o_ref) and torch.equal(pool_a, pool_b)
 
 
@@ -315,7 +316,7 @@ def test_wide_and_small_decode_tiles_agree_under_the_interpreter():
     import os
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("interpreter tier")
-    from kdakit.ops.kda.decode import launch_kda_decode
+    from kdakit.ops.kda.decode import decode_options, launch_kda_decode
 
     gen = torch.Generator().manual_seed(5)
     N, H, K, V = 3, 2, 16, 128  # V = 128: the wide tile (64 rows) and the small one (16) both split it
@@ -328,9 +329,9 @@ def test_wide_and_small_decode_tiles_agree_under_the_interpreter():
     outs = []
     for block_v, num_warps in ((16, 1), (64, 2)):
         p, o = pool.clone(), torch.empty_like(v)
-        launch_kda_decode(q, k, v, g, beta, p, idx, None, o, A_log=A_log, dt_bias=None, scale=K ** -0.5,
-                          cu_seqlens=None, N=N, allow_neg_eigval=False, use_qk_l2norm_in_kernel=True,
-                          use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=None,
+        opts = decode_options(q, k, v, g, beta, A_log=A_log, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                              use_beta_sigmoid_in_kernel=True)
+        launch_kda_decode(q, k, v, g, beta, p, idx, None, o, opts, A_log=A_log, dt_bias=None, cu_seqlens=None, N=N,
                           block_v=block_v, num_warps=num_warps)
         outs.append((o, p))
     assert_close("o", outs[0][0], outs[1][0], 1e-6)

@@ -11,12 +11,13 @@ import kdakit.ops.kda.chunk_bwd as chunk_bwd
 import kdakit.ops.kda.chunk_bwd_windowed as chunk_bwd_windowed
 import kdakit.ops.kda.chunk_fwd as chunk_fwd
 import kdakit.ops.kda.chunk_triton as chunk_triton
+import kdakit.ops.kda.decode as decode
 import kdakit.ops.kda.fused_recurrent as fused_recurrent
 import kdakit.ops.kda.options as options
 import kdakit.ops.kda.recurrent_backward as recurrent_backward
 import kdakit.ops.kda.recurrent_backward_kernels as recurrent_backward_kernels
 import kdakit.ops.kda.recurrent_backward_segmented as recurrent_backward_segmented
-from kdakit import chunk_kda, fused_recurrent_kda
+from kdakit import chunk_kda, fused_recurrent_kda, kda_decode
 from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND, GATE_NONE, GATE_SOFTPLUS
 from kdakit.ops.kda.options import KDAOptions, kda_options
 from kdakit.ops.kda.recurrent_forward import BETA_RAW, BETA_SIGMOID, BETA_SIGMOID_X2
@@ -192,3 +193,32 @@ def test_recurrent_launchers_take_the_one_object(monkeypatch):
 def test_lower_bound_has_one_kernel_form():
     assert options.kernel_lower_bound(None) == 0.0
     assert options.kernel_lower_bound(-5) == -5.0 and isinstance(options.kernel_lower_bound(-5), float)
+
+
+def test_decode_and_serving_launch_the_one_object(monkeypatch):
+    """kda_decode and fused_recurrent_kda's serving arguments: one object per call, handed to the pool kernel's
+    launcher whole (its encodings are the object's, not re-derived from loose options)."""
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    (q, k, v, g, beta), A_log, dt_bias = _inputs(B=3, T=1)
+    built, seen = _count_builds(monkeypatch), []
+    launch = decode.launch_pool_recurrent
+
+    def wrapped(q, k, v, g, beta, o, opts, **kw):
+        seen.append(opts)
+        return launch(q, k, v, g, beta, o, opts, **kw)
+
+    monkeypatch.setattr(decode, "launch_pool_recurrent", wrapped)
+    pool = torch.randn(4, 2, 16, 16)
+    idx = torch.tensor([2, 0, 3], dtype=torch.int32)
+    kda_decode(q, k, v, g, beta, pool, idx, A_log=A_log.view(2, 1), dt_bias=dt_bias.view(2, 16),
+               use_gate_in_kernel=True, lower_bound=-4.0, use_beta_sigmoid_in_kernel=True)
+    assert len(built) == 1 and seen == built
+    assert (seen[0].state_v_first, seen[0].gate, seen[0].kernel_lower_bound) == (True, GATE_LOWER_BOUND, -4.0)
+    built.clear()
+    seen.clear()
+    with torch.no_grad():
+        fused_recurrent_kda(q, k, v, g, beta, initial_state=pool.clone(), ssm_state_indices=idx,
+                            inplace_final_state=True, state_v_first=True, use_gate_in_kernel=True, A_log=A_log,
+                            dt_bias=dt_bias)
+    assert len(built) == 1 and seen == built
+    assert (seen[0].gate, seen[0].has_A_log, seen[0].has_dt_bias) == (GATE_SOFTPLUS, True, True)

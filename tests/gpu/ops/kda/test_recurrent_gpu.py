@@ -4,7 +4,7 @@ bitwise reruns, CUDA-graph capture (no allocation) and replay == eager."""
 import pytest
 import torch
 
-from kdakit.ops.kda.decode import kda_decode, kda_decode_reference
+from kdakit.ops.kda.decode import decode_options, kda_decode, kda_decode_reference
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
 from kdakit.ops.kda.naive import naive_recurrent_kda
 from kdakit.ops.kda.recurrent_backward import GRAD_NAMES, recurrent_kda_backward
@@ -299,10 +299,11 @@ def test_decode_real_shapes(pool_dtype, T):
     o = _decode(t, kw, pool, idx)
     ref_pool = before.clone()
     ref_o = torch.empty_like(o)
-    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, None, ref_o,
-                         A_log=t["A_log"], dt_bias=t["dt_bias"], scale=128 ** -0.5, cu_seqlens=None, N=N,
-                         lower_bound=kw["lower_bound"], use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                         use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False)
+    opts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                          scale=128 ** -0.5, lower_bound=kw["lower_bound"], use_gate_in_kernel=True,
+                          use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, None, ref_o, opts,
+                         A_log=t["A_log"], dt_bias=t["dt_bias"], cu_seqlens=None, N=N)
     assert_close("o", ref_o, o, 1e-2 if pool_dtype == torch.bfloat16 else BF16_RATIO)
     assert_close("pool", ref_pool.float(), pool.float(), 1e-2 if pool_dtype == torch.bfloat16 else 1e-5)
     used = set(idx.tolist())
@@ -322,10 +323,11 @@ def test_decode_large_batch():
     ref_pool = pool.clone()
     o = _decode(t, kw, pool, idx)
     ref_o = torch.empty_like(o)
-    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, None, ref_o,
-                         A_log=t["A_log"], dt_bias=t["dt_bias"], scale=128 ** -0.5, cu_seqlens=None, N=N,
-                         lower_bound=kw["lower_bound"], use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                         use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False)
+    opts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                          scale=128 ** -0.5, lower_bound=kw["lower_bound"], use_gate_in_kernel=True,
+                          use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    kda_decode_reference(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, None, ref_o, opts,
+                         A_log=t["A_log"], dt_bias=t["dt_bias"], cu_seqlens=None, N=N)
     assert_close("o", ref_o, o, 1e-2)
     assert_close("pool", ref_pool.float(), pool.float(), 1e-2)
 
