@@ -43,14 +43,16 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import select_backend, triton_interpreting
-from kdakit.ops.kda.chunk_common import round_to_bf16, round_to_bf16_if, seq_bounds
+from kdakit.ops.kda.chunk_common import round_to_bf16, round_to_bf16_if
 from kdakit.ops.kda.compiled import kda_decode_via_op
 from kdakit.ops.kda.options import KDAOptions, kda_options
 from kdakit.ops.kda.recurrent_forward import (
     beta_value,
     check_kernel_layout,
+    key_value_offsets,
     load_token_raw,
     log_decay,
+    program_sequence,
     qk_activation,
 )
 from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
@@ -119,17 +121,8 @@ def _pool_recurrent_kernel(
     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
     NATIVE_ROUND: tl.constexpr,
 ):
-    i_nh = tl.program_id(0)  # N * HV on axis 0: axes 1 and 2 hold at most 65535 programs
-    i_v = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
+    i_n, i_hv, i_h, i_v, bos, eos = program_sequence(cu_seqlens, T, H, HV, IS_VARLEN)
+    offs_k, offs_v, mask_k, mask_v = key_value_offsets(i_v, K, V, BK, BV)
     # the first token's inputs are requested before the row index and the state that depends on it
     n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, bos, eos, i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
                                              H, HV, K, V)

@@ -17,7 +17,15 @@ import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import GATE_NONE, seq_bounds
 from kdakit.ops.kda.options import KDAOptions
-from kdakit.ops.kda.recurrent_forward import beta_value, launch_recurrent_forward, load_qk_token, log_decay
+from kdakit.ops.kda.recurrent_forward import (
+    beta_value,
+    key_value_offsets,
+    launch_recurrent_forward,
+    load_qk_token,
+    log_decay,
+    program_sequence,
+    state_tile,
+)
 from kdakit.ops.kda.workspace import Workspace, check_out
 
 # ---------------------------------------------------------------------------------------------
@@ -62,23 +70,9 @@ def _recurrent_bwd_reverse_kernel(
     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
 ):
     """Pass 2: dS backwards through the tokens. Reads u_t from ``ud`` and overwrites it with du_t."""
-    i_nh = tl.program_id(0)  # N * HV on axis 0: axes 1 and 2 hold at most 65535 programs
-    i_v = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    state_base = (i_n * HV + i_hv).to(tl.int64) * K * V
-    if STATE_V_FIRST:
-        offs_s = offs_v[None, :] * K + offs_k[:, None]                                    # [BK, BV]
-    else:
-        offs_s = offs_k[:, None] * V + offs_v[None, :]
+    i_n, i_hv, i_h, i_v, bos, eos = program_sequence(cu_seqlens, T, H, HV, IS_VARLEN)
+    offs_k, offs_v, mask_k, mask_v = key_value_offsets(i_v, K, V, BK, BV)
+    mask_s, state_base, offs_s = state_tile(i_n, i_hv, offs_k, offs_v, mask_k, mask_v, HV, K, V, STATE_V_FIRST)
 
     dS = tl.zeros([BK, BV], dtype=tl.float32)                                             # [BK, BV]
     if HAS_DHT:
@@ -120,23 +114,9 @@ def _recurrent_bwd_replay_kernel(
     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
 ):
     """Pass 3: the forward again, with du_t and X_t from pass 2; V-block partials of dq, dk, Z, dbeta."""
-    i_nh = tl.program_id(0)  # N * HV on axis 0: axes 1 and 2 hold at most 65535 programs
-    i_v = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    state_base = (i_n * HV + i_hv).to(tl.int64) * K * V
-    if STATE_V_FIRST:
-        offs_s = offs_v[None, :] * K + offs_k[:, None]                                    # [BK, BV]
-    else:
-        offs_s = offs_k[:, None] * V + offs_v[None, :]
+    i_n, i_hv, i_h, i_v, bos, eos = program_sequence(cu_seqlens, T, H, HV, IS_VARLEN)
+    offs_k, offs_v, mask_k, mask_v = key_value_offsets(i_v, K, V, BK, BV)
+    mask_s, state_base, offs_s = state_tile(i_n, i_hv, offs_k, offs_v, mask_k, mask_v, HV, K, V, STATE_V_FIRST)
 
     S = tl.zeros([BK, BV], dtype=tl.float32)                                              # [BK, BV]
     if USE_H0:

@@ -73,6 +73,45 @@ def beta_mode(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# A program's place on the recurrent grid (shared with the backward and decode kernels)
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def program_sequence(cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """This program's sequence, value head, query/key head, value block and tokens ``[bos, eos)`` on the
+    grid ``(N * HV, cdiv(V, BV))``. -> (i_n, i_hv, i_h, i_v, bos, eos)"""
+    i_nh = tl.program_id(0)  # N * HV on axis 0: axes 1 and 2 hold at most 65535 programs
+    i_v = tl.program_id(1).to(tl.int64)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    return i_n, i_hv, i_h, i_v, bos, eos
+
+
+@triton.jit
+def key_value_offsets(i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The key offsets [BK] and value block ``i_v``'s offsets [BV], with their masks."""
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    return offs_k, offs_v, offs_k < K, offs_v < V
+
+
+@triton.jit
+def state_tile(i_n, i_hv, offs_k, offs_v, mask_k, mask_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               STATE_V_FIRST: tl.constexpr):
+    """The program's [BK, BV] tile of state (sequence, value head) in a dense ``[N, HV, K, V]`` (or, value-first,
+    ``[N, HV, V, K]``) tensor. -> (mask [BK, BV], the state's base offset, the tile's offsets [BK, BV])"""
+    mask_s = mask_k[:, None] & mask_v[None, :]                                            # [BK, BV]
+    state_base = (i_n * HV + i_hv).to(tl.int64) * K * V
+    if STATE_V_FIRST:
+        offs_s = offs_v[None, :] * K + offs_k[:, None]                                    # [BK, BV]
+    else:
+        offs_s = offs_k[:, None] * V + offs_v[None, :]
+    return mask_s, state_base, offs_s
+
+
+# ---------------------------------------------------------------------------------------------
 # Per-token activations (shared with the backward and decode kernels)
 # ---------------------------------------------------------------------------------------------
 
@@ -169,23 +208,9 @@ def _recurrent_fwd_kernel(
     IS_VARLEN: tl.constexpr, STATE_V_FIRST: tl.constexpr, L2NORM: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
 ):
-    i_nh = tl.program_id(0)  # N * HV on axis 0: axes 1 and 2 hold at most 65535 programs
-    i_v = tl.program_id(1).to(tl.int64)
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    mask_s = mask_k[:, None] & mask_v[None, :]                                            # [BK, BV]
-    state_base = (i_n * HV + i_hv).to(tl.int64) * K * V
-    if STATE_V_FIRST:
-        offs_s = offs_v[None, :] * K + offs_k[:, None]                                    # [BK, BV]
-    else:
-        offs_s = offs_k[:, None] * V + offs_v[None, :]
+    i_n, i_hv, i_h, i_v, bos, eos = program_sequence(cu_seqlens, T, H, HV, IS_VARLEN)
+    offs_k, offs_v, mask_k, mask_v = key_value_offsets(i_v, K, V, BK, BV)
+    mask_s, state_base, offs_s = state_tile(i_n, i_hv, offs_k, offs_v, mask_k, mask_v, HV, K, V, STATE_V_FIRST)
 
     # token bos's inputs are requested before the state, then each iteration requests the next token's
     n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, bos, eos, i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
