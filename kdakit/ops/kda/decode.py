@@ -47,13 +47,11 @@ from kdakit.ops.kda.chunk_common import round_to_bf16, round_to_bf16_if
 from kdakit.ops.kda.compiled import kda_decode_via_op
 from kdakit.ops.kda.options import KDAOptions, kda_options
 from kdakit.ops.kda.recurrent_forward import (
-    beta_value,
     check_kernel_layout,
     key_value_offsets,
     load_token_raw,
-    log_decay,
     program_sequence,
-    qk_activation,
+    token_activations,
 )
 from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
 from kdakit.ops.kda.validate import STATE_DTYPES, check_pool_rows, flat_gate_params
@@ -158,10 +156,8 @@ def _pool_recurrent_kernel(
         n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, t + 1, eos, i_h, i_hv, offs_k, mask_k,
                                                  offs_v, mask_v, H, HV, K, V)
         hv_row = t * HV + i_hv
-        b_q = qk_activation(b_q, L2NORM)                                                  # [BK]
-        b_k = qk_activation(b_k, L2NORM)                                                  # [BK]
-        b_a = log_decay(b_g, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound, K, GATE, HAS_A, HAS_BIAS)
-        b_beta = beta_value(b_beta, BETA)
+        b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, mask_k,
+                                                  lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
 
         S = S * tl.exp(b_a)[None, :]                                                      # S' = D S
         b_u = b_beta * (b_v - tl.sum(S * b_k[None, :], axis=1))                           # [BV]

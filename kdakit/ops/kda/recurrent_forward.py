@@ -194,6 +194,18 @@ def beta_value(b_raw, BETA: tl.constexpr):
     return b
 
 
+@triton.jit
+def token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound, K: tl.constexpr,
+                      L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BETA: tl.constexpr):
+    """A token's raw q, k [BK], gate row [BK] and beta as the recurrence uses them: q and k l2-normalized
+    when asked, the log-decay a [BK] and beta. -> (q, k, a, beta)"""
+    b_q = qk_activation(b_q, L2NORM)                                                      # [BK]
+    b_k = qk_activation(b_k, L2NORM)                                                      # [BK]
+    b_a = log_decay(b_g, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound, K, GATE, HAS_A, HAS_BIAS)
+    return b_q, b_k, b_a, beta_value(b_beta, BETA)
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
@@ -226,10 +238,8 @@ def _recurrent_fwd_kernel(
         n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, t + 1, eos, i_h, i_hv, offs_k, mask_k,
                                                  offs_v, mask_v, H, HV, K, V)
         hv_row = t * HV + i_hv
-        b_q = qk_activation(b_q, L2NORM)                                                  # [BK]
-        b_k = qk_activation(b_k, L2NORM)                                                  # [BK]
-        b_a = log_decay(b_g, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound, K, GATE, HAS_A, HAS_BIAS)
-        b_beta = beta_value(b_beta, BETA)
+        b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, mask_k,
+                                                  lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
 
         S = S * tl.exp(b_a)[:, None]                                                      # S' = D S
         b_u = b_beta * (b_v - tl.sum(S * b_k[:, None], axis=0))                           # [BV]
