@@ -40,6 +40,7 @@ from kdakit.ops.kda.chunk_common import (
     load_rows,
     row_of,
     safe_gate_factors,
+    seq_bounds,
     unit_lower_inverse,
     unit_lower_inverse_doubling,
 )
@@ -170,6 +171,37 @@ def exact_pairwise_bwd(dAqk, dAkk, q, k, G, C: tl.constexpr):
         dkk += tl.where((r == j)[:, None], tsum[None, :], 0.0)
     dG = q * dq + k * dkq - k * dkk
     return dq, dkq + dkk, dG
+
+
+@triton.jit
+def sequence_chunks(cu_seqlens, n, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Sequence n's first token (int64), its token count and its number of C-token chunks (int32)."""
+    bos, eos = seq_bounds(cu_seqlens, n, T, IS_VARLEN)
+    n_rows = (eos - bos).to(tl.int32)
+    return bos, n_rows, (n_rows + C - 1) // C
+
+
+@triton.jit
+def state_program(cu_seqlens, T, HV, C: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A state-walk program's place on the grid ``(N * HV, cdiv(V, BV), ...)``: its (sequence, value head)
+    item, first value column, sequence, value head, and its sequence's first token, token count and chunk
+    count. -> (item, v0, n, hv, bos, n_rows, n_chunks)"""
+    item = tl.program_id(0)
+    v0 = tl.program_id(1) * BV
+    n = item // HV
+    hv = item % HV
+    bos, n_rows, n_chunks = sequence_chunks(cu_seqlens, n, T, C, IS_VARLEN)
+    return item, v0, n, hv, bos, n_rows, n_chunks
+
+
+@triton.jit
+def decay_scale(A_log, hv, HAS_A: tl.constexpr):
+    """``exp(A_log[hv])``, the softplus gate's scale of value head hv (1 without A_log), fp32."""
+    if HAS_A:
+        expA = tl.exp(tl.load(A_log + hv).to(tl.float32))
+    else:
+        expA = 1.0
+    return expA
 
 
 @triton.jit

@@ -38,14 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_bwd_common import CHUNK, interpreting, state_strides
+from kdakit.ops.kda.chunk_bwd_common import CHUNK, interpreting, state_program, state_strides
 from kdakit.ops.kda.chunk_common import (
     block_size,
     load_matrix,
     load_rows,
     load_rows_native,
     round_to_bf16_if,
-    seq_bounds,
     store_matrix,
 )
 from kdakit.ops.kda.chunk_fwd import EXACT_KEY_SLICE, INTRA_NUM_WARPS, _dot_precision, chunk_kda_fwd_intra_kernel
@@ -89,13 +88,7 @@ def chunk_kda_bwd_lean_starts_kernel(
 ):
     """Stage 1 of segment ``seg``, grid (N * HV, cdiv(V, BV)): the start states of windows 1 .. of the
     segment into ``ws_win`` (fp32 ``[N * HV, N_SUB - 1, K, V]``), walked from its checkpoint."""
-    item = tl.program_id(0)
-    v0 = tl.program_id(1) * BV
-    n = item // HV
-    hv = item % HV
-    bos, eos = seq_bounds(cu_seqlens, n, T, IS_VARLEN)
-    n_rows = (eos - bos).to(tl.int32)
-    n_chunks = (n_rows + C - 1) // C
+    item, v0, n, hv, bos, n_rows, n_chunks = state_program(cu_seqlens, T, HV, C, BV, IS_VARLEN)
     c0 = seg * (N_SUB * SUB_CHUNKS)
     if c0 < n_chunks:
         KV = K.to(tl.int64) * V
@@ -124,14 +117,8 @@ def chunk_kda_bwd_lean_states_kernel(
     """Stage 2 of window ``win`` from its intermediates: role 0 stores every chunk's start state S_c
     into ``ws_s``, role 1 every chunk's dS after it into ``ws_ds`` and then updates ``carry``.
     ROUND_STAGE (interpreter, bf16 slots) rounds to nearest before the store, as the GPU's cast does."""
-    item = tl.program_id(0)
-    v0 = tl.program_id(1) * BV
+    item, v0, n, hv, bos, n_rows, n_chunks = state_program(cu_seqlens, T, HV, C, BV, IS_VARLEN)
     role = tl.program_id(2)
-    n = item // HV
-    hv = item % HV
-    bos, eos = seq_bounds(cu_seqlens, n, T, IS_VARLEN)
-    n_rows = (eos - bos).to(tl.int32)
-    n_chunks = (n_rows + C - 1) // C
     d0 = win * SUB_CHUNKS
     if d0 < n_chunks:
         KV = K.to(tl.int64) * V

@@ -51,12 +51,15 @@ from kdakit.ops.kda.chunk_bwd_common import (
     CHUNK,
     LAST_LAUNCH,
     USE_DOUBLING_INVERSE,
+    decay_scale,
     dot_precision,
     exact_pairwise_bwd,
     exact_qk_kk,
     grad_operand,
     grad_operands,
     interpreting,
+    sequence_chunks,
+    state_program,
     state_step,
     state_strides,
 )
@@ -80,7 +83,6 @@ from kdakit.ops.kda.chunk_common import (
     round_to_bf16_if,
     row_of,
     safe_gate_factors,
-    seq_bounds,
     store_matrix,
     store_row_scalars,
     store_rows,
@@ -148,23 +150,14 @@ def chunk_kda_bwd_window_starts_kernel(
     """Stage 1, grid (N*HV, cdiv(V, BV)): states at the start of windows 1.. of checkpoint segment
     ``seg`` (window 0 starts at the checkpoint), walked forward from the checkpoint.
     """
-    item = tl.program_id(0)
-    v0 = tl.program_id(1) * BV
-    n = item // HV
-    hv = item % HV
+    item, v0, n, hv, bos, n_rows, n_chunks = state_program(cu_seqlens, T, HV, C, BV, IS_VARLEN)
     h = hv // GROUP
-    bos, eos = seq_bounds(cu_seqlens, n, T, IS_VARLEN)
-    n_rows = (eos - bos).to(tl.int32)
-    n_chunks = (n_rows + C - 1) // C
     c0 = seg * SEG_CHUNKS
     if c0 < n_chunks:
         KV = K.to(tl.int64) * V
         c1 = tl.minimum(n_chunks, c0 + SEG_CHUNKS)
         n_sub = (c1 - c0 + SUB_CHUNKS - 1) // SUB_CHUNKS
-        if HAS_A:
-            expA = tl.exp(tl.load(A_log + hv).to(tl.float32))
-        else:
-            expA = 1.0
+        expA = decay_scale(A_log, hv, HAS_A)
         k_b = k + bos * (H * K) + h * K
         v_b = v + bos * (HV * V) + hv * V + v0
         g_b = g + bos * (HV * K) + hv * K
@@ -199,23 +192,14 @@ def chunk_kda_bwd_window_states_kernel(
     two roles are independent (the dS recurrence is S-free). ROUND_STAGE (interpreter, bf16 slots)
     rounds to nearest before the store, as the GPU's cast does (the interpreter's cast truncates).
     """
-    item = tl.program_id(0)
-    v0 = tl.program_id(1) * BV
+    item, v0, n, hv, bos, n_rows, n_chunks = state_program(cu_seqlens, T, HV, C, BV, IS_VARLEN)
     role = tl.program_id(2)
-    n = item // HV
-    hv = item % HV
     h = hv // GROUP
-    bos, eos = seq_bounds(cu_seqlens, n, T, IS_VARLEN)
-    n_rows = (eos - bos).to(tl.int32)
-    n_chunks = (n_rows + C - 1) // C
     d0 = win * SUB_CHUNKS
     if d0 < n_chunks:
         KV = K.to(tl.int64) * V
         d1 = tl.minimum(n_chunks, d0 + SUB_CHUNKS)
-        if HAS_A:
-            expA = tl.exp(tl.load(A_log + hv).to(tl.float32))
-        else:
-            expA = 1.0
+        expA = decay_scale(A_log, hv, HAS_A)
         k_b = k + bos * (H * K) + h * K
         g_b = g + bos * (HV * K) + hv * K
         b_b = beta + bos * HV + hv
@@ -407,9 +391,7 @@ def chunk_kda_bwd_window_grads_kernel(
     j = tl.program_id(1)
     n = i_nh // H
     h = i_nh % H
-    bos, eos = seq_bounds(cu_seqlens, n, T, IS_VARLEN)
-    n_rows = (eos - bos).to(tl.int32)
-    n_chunks = (n_rows + C - 1) // C
+    bos, n_rows, n_chunks = sequence_chunks(cu_seqlens, n, T, C, IS_VARLEN)
     c = win * SUB_CHUNKS + j
     if c < n_chunks:
         KV = K.to(tl.int64) * V
@@ -422,10 +404,7 @@ def chunk_kda_bwd_window_grads_kernel(
         for gi in range(GROUP):
             hv = h * GROUP + gi
             item = (n * HV + hv).to(tl.int64)
-            if HAS_A:
-                expA = tl.exp(tl.load(A_log + hv).to(tl.float32))
-            else:
-                expA = 1.0
+            expA = decay_scale(A_log, hv, HAS_A)
             slot = (item * SUB_CHUNKS + j) * KV
             vo = bos * (HV * V) + hv * V
             go = bos * (HV * K) + hv * K
