@@ -41,6 +41,15 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Matmuls of fp32 tiles in the chunk kernels: TF32 for 16-bit inputs (already rounded coarser than TF32),
+# 3xTF32 for fp32 inputs, exact in the interpreter; forward and backward make the same choice.
+def dot_precision(dtype: torch.dtype) -> str:
+    """The ``tl.dot`` input precision of fp32-operand products (bf16 operands ignore it)."""
+    if triton_interpreting():
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
 def select_backend(device: torch.device) -> str:
     """Return ``"triton"`` or ``"torch"`` for tensors on ``device``."""
     want = requested_backend()

@@ -25,12 +25,11 @@ Limits: K, V <= 128 (powers of two are fastest; others are masked). Offsets are 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.ops.kda.chunk_common import (
     causal_mask,
     round_to_bf16,
@@ -50,23 +49,11 @@ MAX_HEAD_DIM = 128
 USE_DOUBLING_INVERSE = True
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# Matmuls of fp32 tiles: TF32 for 16-bit inputs (already rounded coarser than TF32), 3xTF32 for
-# fp32 inputs, exact in the interpreter (the forward makes the same choice).
-def dot_precision(dtype: torch.dtype) -> str:
-    if interpreting():
-        return "ieee"
-    return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
 # The products that feed the decay gradient (pairwise terms, dkd, dqG, dX) lose too much to TF32
 # rounding: on the H200, the windowed backward with TF32 there gave ddt_bias an RMS ratio of 1.66e-2
 # (limit 8e-3; T = 4048 over 3 sequences, H = 4); 3xTF32 there.
 def grad_precision() -> str:
-    return "ieee" if interpreting() else "tf32x3"
+    return "ieee" if triton_interpreting() else "tf32x3"
 
 
 # bf16 inputs: those products take bf16 operands (rounded to nearest: unbiased, unlike Triton's
@@ -79,7 +66,7 @@ def grad_operands(dtype: torch.dtype) -> tuple[int, str]:
     """(GRAD_OP, GRAD_PREC) of the decay-gradient products for inputs of ``dtype``."""
     if dtype != torch.bfloat16:
         return GRAD_OP_FP32, grad_precision()
-    if interpreting():
+    if triton_interpreting():
         return GRAD_OP_BF16_EMULATED, "ieee"
     return GRAD_OP_BF16, "tf32"  # the precision is unused with bf16 operands
 

@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_bwd_common import CHUNK, interpreting, state_program, state_strides
+from kdakit.ops.kda.backend import dot_precision, triton_interpreting
+from kdakit.ops.kda.chunk_bwd_common import CHUNK, state_program, state_strides
 from kdakit.ops.kda.chunk_common import (
     block_size,
     load_matrix,
@@ -47,7 +48,7 @@ from kdakit.ops.kda.chunk_common import (
     round_to_bf16_if,
     store_matrix,
 )
-from kdakit.ops.kda.chunk_fwd import EXACT_KEY_SLICE, INTRA_NUM_WARPS, _dot_precision, chunk_kda_fwd_intra_kernel
+from kdakit.ops.kda.chunk_fwd import EXACT_KEY_SLICE, INTRA_NUM_WARPS, chunk_kda_fwd_intra_kernel
 from kdakit.ops.kda.chunk_tiles import dot_operand
 from kdakit.ops.kda.options import KDAOptions
 
@@ -185,8 +186,8 @@ def _intra(win, set_, *, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, cu, dq, d
         dq, dk, dg, dv, ws_aqk[set_], ws_gc[set_], cu, cu, opts.kernel_lower_bound, T, H, HV,
         triton.cdiv(T, CHUNK), win,
         K=K, V=V, C=CHUNK, BK=BK, BV=block_size(V), BKS=min(EXACT_KEY_SLICE, BK), **opts.intra_constexprs(),
-        SAFE=opts.safe, IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
-        EMULATE_BF16=interpreting() and q.dtype == torch.bfloat16, WINDOW=True, SUB=sub,
+        SAFE=opts.safe, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
+        EMULATE_BF16=triton_interpreting() and q.dtype == torch.bfloat16, WINDOW=True, SUB=sub,
         num_warps=INTRA_NUM_WARPS, num_stages=1,
     )
 
@@ -210,8 +211,8 @@ def run_lean_window_starts(seg, last_win, *, q, k, v, g, beta, A_log, dt_bias, c
     chunk_kda_bwd_lean_starts_kernel[(N * HV, triton.cdiv(V, BV))](
         dq, dg, dv, ws_gc, ckpt, ckpt_offsets, cu, ws_win, seg, N, T, HV, K, V,
         C=CHUNK, BK=BK, BV=BV, SUB_CHUNKS=sub, N_SUB=n_sub, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(q.dtype), OP_BF16=q.dtype == torch.bfloat16,
-        EMULATE_BF16=interpreting() and q.dtype == torch.bfloat16, num_warps=LEAN_NUM_WARPS, num_stages=1,
+        DOT_PREC=dot_precision(q.dtype), OP_BF16=q.dtype == torch.bfloat16,
+        EMULATE_BF16=triton_interpreting() and q.dtype == torch.bfloat16, num_warps=LEAN_NUM_WARPS, num_stages=1,
     )
 
 
@@ -222,7 +223,7 @@ def run_lean_window_states(win, *, q, k, v, g, beta, do, A_log, dt_bias, cu_seql
     1 made them: every window of a segment but its last), then the walk."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    interp = interpreting()
+    interp = triton_interpreting()
     dummy = carry
     cu = cu_seqlens if cu_seqlens is not None else ckpt_offsets
     if win % n_sub == n_sub - 1:
@@ -234,7 +235,7 @@ def run_lean_window_states(win, *, q, k, v, g, beta, do, A_log, dt_bias, cu_seql
         dq, dk, dg, dv, ws_aqk, ws_gc, do, ckpt, ckpt_offsets, cu, ws_win if ws_win is not None else dummy,
         ws_s, ws_ds, carry, win, N, opts.scale, T, HV, K, V, *state_strides(carry, opts.state_v_first),
         C=CHUNK, BK=BK, BV=BV, SUB_CHUNKS=sub, N_SUB=n_sub, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=_dot_precision(q.dtype), OP_BF16=q.dtype == torch.bfloat16,
+        DOT_PREC=dot_precision(q.dtype), OP_BF16=q.dtype == torch.bfloat16,
         EMULATE_BF16=interp and q.dtype == torch.bfloat16,
         ROUND_STAGE=interp and stage_dtype == torch.bfloat16, num_warps=LEAN_NUM_WARPS, num_stages=1,
     )

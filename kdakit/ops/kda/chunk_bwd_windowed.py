@@ -47,17 +47,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kdakit.ops.kda.backend import dot_precision, triton_interpreting
 from kdakit.ops.kda.chunk_bwd_common import (
     CHUNK,
     LAST_LAUNCH,
     USE_DOUBLING_INVERSE,
     decay_scale,
-    dot_precision,
     exact_pairwise_bwd,
     exact_qk_kk,
     grad_operand,
     grad_operands,
-    interpreting,
     sequence_chunks,
     state_program,
     state_step,
@@ -544,7 +543,7 @@ def run_windowed(q, k, v, g, beta, do, dht, *, checkpoints, ckpt_offsets, cu_seq
                 ws_win if ws_win is not None else dummy, ws_s, ws_ds, carry,
                 win, scale, lower_bound, T, H, HV, K, V, *c_str,
                 GROUP=HV // H, C=C, BK=BK, BV=BV2, SUB_CHUNKS=sub, N_SUB=n_sub, **seq, GRAD_PREC=grad_prec,
-                GRAD_OP=grad_op, ROUND_STAGE=interpreting() and stage_dtype == torch.bfloat16,
+                GRAD_OP=grad_op, ROUND_STAGE=triton_interpreting() and stage_dtype == torch.bfloat16,
                 num_warps=STATE_NUM_WARPS, num_stages=1)
         LAST_LAUNCH["window_grads"] = chunk_kda_bwd_window_grads_kernel[(N * H, sub)](
             q, k, v, g, beta, do, cu, a_ptr, b_ptr, ws_s, ws_ds,

@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.backend import triton_interpreting
+from kdakit.ops.kda.backend import dot_precision, triton_interpreting
 from kdakit.ops.kda.chunk_common import (
     block_size,
     l2norm_rows,
@@ -322,13 +322,6 @@ def chunk_kda_fwd_state_kernel(
 # ---------------------------------------------------------------------------------------
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32-operand tl.dot precision (bf16 operands ignore it): TF32, TF32x3 for fp32 inputs."""
-    if triton_interpreting():
-        return "ieee"
-    return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
 def _state_strides(t: torch.Tensor, state_v_first: bool) -> tuple[int, int, int, int]:
     """(n, hv, k, v) element strides of a state tensor in either layout."""
     sn, sh, s2, s3 = t.stride()
@@ -371,7 +364,7 @@ def chunk_kda_fwd_intra(
         opts.kernel_lower_bound, T, H, HV, triton.cdiv(T, C), 0,
         K=K, V=V, C=C, BK=BK, BV=BV, BKS=min(EXACT_KEY_SLICE, BK), **opts.intra_constexprs(), SAFE=opts.safe,
         IS_VARLEN=varlen,
-        DOT_PREC=_dot_precision(q.dtype), EMULATE_BF16=triton_interpreting() and q.dtype == torch.bfloat16,
+        DOT_PREC=dot_precision(q.dtype), EMULATE_BF16=triton_interpreting() and q.dtype == torch.bfloat16,
         num_warps=INTRA_NUM_WARPS, num_stages=1,
     )
     return w, qg, kd, aqk, gc, table
@@ -470,7 +463,7 @@ def chunk_kda_fwd(
         STORE_HT=final is not None, STORE_CKPT=ckpts is not None,
         CKPT_BF16=interp and checkpoint_dtype == torch.bfloat16,
         OP_BF16=STATE_BF16_OPERANDS and q.dtype == torch.bfloat16, EMULATE_BF16=interp and q.dtype == torch.bfloat16,
-        DOT_PREC=_dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype),
         LOOP_WHILE=interp, num_warps=state_num_warps(BK, BV), num_stages=STATE_NUM_STAGES,
     )
     del w, qg, kd, aqk, gc, table, chunk_offsets
