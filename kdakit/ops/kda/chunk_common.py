@@ -169,7 +169,9 @@ def l2norm_rows_bwd(dy, y, rstd):
 
 
 @triton.jit
-def _softplus(x):
+def softplus_fp32(x):
+    """``softplus(x)`` in fp32, as torch's (threshold 20: x above it); ``e^x`` below -15, where ``1 + e^x``
+    rounds to 1 and would lose the value. NaN in, NaN out. The chunk and the recurrent kernels' one copy."""
     big = x > 20.0
     small = x < -15.0
     xs = tl.where(big | small, 0.0, x)  # keep exp() of the unused branch finite
@@ -186,7 +188,7 @@ def gate_log_decay(x, expA, lower_bound, GATE: tl.constexpr):
     GATE_LOWER_BOUND -> ``lower_bound * sigmoid(expA * x)``.
     """
     if GATE == 1:
-        a = -expA * _softplus(x)
+        a = -expA * softplus_fp32(x)
     elif GATE == 2:
         a = lower_bound * tl.sigmoid(expA * x)
     else:
@@ -205,7 +207,7 @@ def gate_log_decay_bwd(da, x, expA, lower_bound, GATE: tl.constexpr):
     """
     if GATE == 1:
         sig = tl.sigmoid(x)
-        a = -expA * _softplus(x)
+        a = -expA * softplus_fp32(x)
         dx = da * (-expA) * sig
         dlog = da * a
     elif GATE == 2:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import seq_bounds
+from kdakit.ops.kda.chunk_common import seq_bounds, softplus_fp32
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -154,15 +154,6 @@ def gate_preactivation(g_raw, dt_bias, i_hv, offs_k, mask_k, K: tl.constexpr, HA
     if HAS_BIAS:
         x = x + tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     return x
-
-
-@triton.jit
-def softplus_fp32(x):
-    # softplus(x) = x above 20 (as torch with threshold 20); log(1 + e^x) ~ e^x far below 0,
-    # where 1 + e^x would round to 1 and lose the value.
-    sp = tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))
-    sp = tl.where(x < -15.0, tl.exp(x), sp)
-    return tl.where(x > 20.0, x, sp)
 
 
 @triton.jit

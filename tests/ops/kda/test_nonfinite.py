@@ -1,0 +1,84 @@
+"""Non-finite inputs (issue #11 item 4): not checked, propagated, the same way on both backends.
+
+A check would read device tensors (a host sync on every call), so the ops leave NaN in the token inputs to
+propagate (docs/spec.md §2.7): the outputs of the sequence that holds it are NaN from that token on (the
+chunked paths may also reach the earlier tokens of its chunk; a NaN in q only its own token's output) and
+the other sequences are untouched. The
+unbounded softplus gate's NaN took a different path in the recurrent kernels (their softplus clamped NaN
+to 20 and returned a finite decay) until both kernel families shared one softplus.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdakit import chunk_kda, fused_recurrent_kda, kda_decode
+from kdakit.testing import make_kda_inputs
+
+N, T, BAD_SEQ, BAD_TOKEN = 3, 40, 1, 21  # two chunks of 16 before the bad token's, so earlier chunks stay finite
+
+
+@pytest.fixture(params=["triton", "torch"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("KDAKIT_BACKEND", request.param)
+    return request.param
+
+
+def _inputs(gate, name, seed=3):
+    inp = make_kda_inputs(B=N, T=T, H=2, K=16, V=16, dtype=torch.float32, gate=gate,
+                          generator=torch.Generator().manual_seed(seed))
+    t = {n: x.detach().clone() for n, x in inp["tensors"].items()}
+    kw = dict(inp["kwargs"])
+    t[name][BAD_SEQ, BAD_TOKEN].fill_(float("nan"))
+    return t, kw
+
+
+def _assert_propagated(o, first_nan_token_at_most, into_state=True):
+    """NaN in every output of the bad sequence from BAD_TOKEN on (only at BAD_TOKEN when the NaN input does not
+    enter the state: q), nowhere in the other sequences, and none before ``first_nan_token_at_most``."""
+    bad = o[BAD_SEQ].isnan().flatten(1).any(1)  # [T]: a NaN in token t's output
+    if into_state:
+        assert bad[BAD_TOKEN:].all(), f"finite outputs after the NaN token: {(~bad[BAD_TOKEN:]).nonzero().flatten()}"
+    else:
+        assert bad[BAD_TOKEN] and not bad[BAD_TOKEN + 1:].any(), f"NaN outputs: {bad.nonzero().flatten()}"
+    assert not bad[:first_nan_token_at_most].any(), f"NaN before token {first_nan_token_at_most}"
+    others = [n for n in range(N) if n != BAD_SEQ]
+    assert torch.isfinite(o[others]).all(), "a NaN in one sequence reached another"
+
+
+@pytest.mark.parametrize("gate,name", [("softplus", "g"), ("safe", "g"), ("softplus", "q"), ("none", "v"),
+                                       ("softplus", "beta")])
+def test_chunk_kda_propagates_nan(backend, gate, name):
+    t, kw = _inputs(gate, name)
+    o, final = chunk_kda(**t, **kw, output_final_state=True)
+    _assert_propagated(o, BAD_TOKEN // 16 * 16, into_state=name != "q")
+    if name == "q":  # q reaches its own token's output only
+        assert torch.isfinite(final).all()
+    else:
+        assert final[BAD_SEQ].isnan().any() and torch.isfinite(final[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("gate,name", [("softplus", "g"), ("safe", "g"), ("softplus", "k"), ("none", "beta")])
+def test_fused_recurrent_kda_propagates_nan(backend, gate, name):
+    t, kw = _inputs(gate, name)
+    o, final = fused_recurrent_kda(**t, **kw, output_final_state=True)
+    _assert_propagated(o, BAD_TOKEN)
+    assert final[BAD_SEQ].isnan().any() and torch.isfinite(final[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("gate", ["softplus", "safe"])
+def test_kda_decode_propagates_nan_gate_to_its_row_only(backend, gate):
+    inp = make_kda_inputs(B=N, T=1, H=2, K=16, V=16, dtype=torch.float32, gate=gate,
+                          generator=torch.Generator().manual_seed(4))
+    t = {n: x.detach().clone() for n, x in inp["tensors"].items()}
+    kw = {n: x for n, x in inp["kwargs"].items() if n != "safe_gate"}
+    t["g"][BAD_SEQ, 0].fill_(float("nan"))
+    pool = torch.randn(N + 1, 2, 16, 16, generator=torch.Generator().manual_seed(5))
+    before = pool.clone()
+    idx = torch.tensor([3, 0, 1], dtype=torch.int32)
+    o = kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, A_log=t.get("A_log"),
+                   dt_bias=t.get("dt_bias"), safe_gate=inp["kwargs"].get("safe_gate", False), **kw)
+    assert o[BAD_SEQ].isnan().all() and torch.isfinite(o[[0, 2]]).all()
+    assert pool[0].isnan().any(), "the bad sequence's row (0) holds its NaN state"
+    assert torch.isfinite(pool[[1, 3]]).all() and torch.equal(pool[2], before[2])
