@@ -81,6 +81,25 @@ def seq_bounds(cu_seqlens, n, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Global chunk i_t -> (its sequence's first token, the sequence's length int32, the chunk's first row t0).
+
+    Packed sequences read (sequence, chunk within it) from ``chunk_table`` (int32 pairs); fixed-length ones
+    hold NTS chunks each. Shared by the 16-token forward and the 64-token pipeline."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_table + 2 * i_t).to(tl.int64)
+        i_c = tl.load(chunk_table + 2 * i_t + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        i_n = i_t // NTS
+        i_c = (i_t % NTS).to(tl.int32)
+        bos = i_n * T
+        eos = bos + T
+    return bos, (eos - bos).to(tl.int32), i_c * C
+
+
+@triton.jit
 def load_rows(base, t0, n_rows, stride_row, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
     """Tile ``x[t0 + r, col0 + c]`` of a row-major slab (unit column stride) as fp32.
 

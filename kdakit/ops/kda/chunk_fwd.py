@@ -74,6 +74,7 @@ from kdakit.ops.kda.chunk_common import (
     load_matrix,
     load_rows,
     load_rows_native,
+    locate_chunk,
     pairwise_dot,
     pairwise_exact,
     round_to_bf16_if,
@@ -135,19 +136,10 @@ def chunk_kda_fwd_intra_kernel(
         i_n = i_t // SUB
         i_c = (win * SUB + i_t % SUB).to(tl.int32)
         bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    elif IS_VARLEN:
-        # chunk_table[2 i], chunk_table[2 i + 1]: (sequence, chunk within it), int32
-        i_n = tl.load(chunk_table + 2 * i_t).to(tl.int64)
-        i_c = tl.load(chunk_table + 2 * i_t + 1)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        seq_len = (eos - bos).to(tl.int32)
+        t0 = i_c * C
     else:
-        i_n = i_t // NTS
-        i_c = (i_t % NTS).to(tl.int32)
-        bos = i_n * T
-        eos = bos + T
-    seq_len = (eos - bos).to(tl.int32)
-    t0 = i_c * C
+        bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
 
     q_base = q + (bos * H + i_h) * K
     k_base = k + (bos * H + i_h) * K

@@ -43,7 +43,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import load_matrix, load_rows, round_to_bf16_if, store_matrix, store_rows
+from kdakit.ops.kda.chunk_common import (
+    load_matrix,
+    load_rows,
+    locate_chunk,
+    round_to_bf16_if,
+    store_matrix,
+    store_rows,
+)
 from kdakit.ops.kda.chunk_prep64 import (
     EXACT_KEY_SLICE,
     Chunk64Options,
@@ -51,7 +58,6 @@ from kdakit.ops.kda.chunk_prep64 import (
     chunk64_tables,
     gate_scalar,
     load_rows_t,
-    locate_chunk,
     locate_sequence,
     state_row,
     state_strides,

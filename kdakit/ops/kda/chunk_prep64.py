@@ -27,10 +27,11 @@ import triton.language as tl
 
 from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.ops.kda.chunk_common import (
-    GATE_SOFTPLUS,
     block_size,
+    GATE_SOFTPLUS,
     load_matrix,
     load_rows,
+    locate_chunk,
     round_to_bf16_if,
     seq_bounds,
     store_matrix,
@@ -60,22 +61,6 @@ PREP_NUM_WARPS = 8
 # ---------------------------------------------------------------------------------------
 # shared per-chunk pieces
 # ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Global chunk i_t -> (bos int64, sequence length int32, first row t0 of the chunk)."""
-    if IS_VARLEN:
-        i_n = tl.load(chunk_table + 2 * i_t).to(tl.int64)
-        i_c = tl.load(chunk_table + 2 * i_t + 1)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        i_n = i_t // NTS
-        i_c = (i_t % NTS).to(tl.int32)
-        bos = i_n * T
-        eos = bos + T
-    return bos, (eos - bos).to(tl.int32), i_c * C
 
 
 @triton.jit
