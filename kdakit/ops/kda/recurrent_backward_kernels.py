@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import GATE_NONE, seq_bounds
+from kdakit.ops.kda.chunk_common import GATE_NONE, gate_log_decay_bwd, seq_bounds
 from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.recurrent_forward import (
     beta_value,
@@ -206,19 +206,9 @@ def _recurrent_bwd_gate_kernel(
             x = b_graw
             if HAS_BIAS:
                 x = x + tl.load(dt_bias + i_hv * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
-            if GATE == 1:
-                # a = -e^A softplus(x): da/dx = -e^A sigmoid(x) (1 above the softplus threshold), da/dA = a
-                dsp = tl.where(x > 20.0, 1.0, tl.sigmoid(x))
-                b_dg = da * (-b_A * dsp)
-                sp = tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))
-                sp = tl.where(x < -15.0, tl.exp(x), sp)
-                sp = tl.where(x > 20.0, x, sp)
-                dA_acc += tl.sum(tl.where(mask_tk, da * (-b_A * sp), 0.0), axis=0)
-            else:
-                # a = lb * sigmoid(e^A x): da/dx = lb s (1 - s) e^A, da/dA = that times x
-                s = tl.sigmoid(b_A * x)
-                b_dg = da * (lower_bound * s * (1.0 - s) * b_A)
-                dA_acc += tl.sum(tl.where(mask_tk, b_dg * x, 0.0), axis=0)
+            # the chunk kernels' gate backward: dg (= the ddt_bias term) and the dA_log element terms
+            b_dg, dlog = gate_log_decay_bwd(da, x, b_A, lower_bound, GATE)
+            dA_acc += tl.sum(tl.where(mask_tk, dlog, 0.0), axis=0)
             dbias_acc += tl.sum(tl.where(mask_tk, b_dg, 0.0), axis=0)
         tl.store(dg + (rows[:, None] * HV + i_hv) * K + offs_k[None, :], b_dg.to(dg.dtype.element_ty), mask=mask_tk)
 
