@@ -47,10 +47,11 @@ def test_reset_level_decays():
 
 
 def test_bf16_inputs_meet_spec_accuracy():
-    # dA_log is one cancelling sum per head: with 2 heads and 48 tokens one seed in 30 gave an RMS
-    # ratio of 0.017; at 4 heads and 64 tokens the worst of 30 seeds was 0.0052 (limit 0.008).
-    inp = make_kda_inputs(T=64, H=2, HV=4, K=32, V=32, dtype=torch.bfloat16, gate="safe", seqlens=[28, 36],
-                          initial_state="kv")
+    # dA_log is one cancelling sum per value head, so its RMS ratio over few heads is noisy: at 2 q/k heads
+    # (4 value heads) and 64 tokens, seeds 2 and 7 of 0-11 gave 0.014 and 0.011 (limit 0.008); at 4 / 8 heads
+    # and 96 tokens all of seeds 0-11 passed. One fixed seed, so that the CPU tier is deterministic.
+    inp = make_kda_inputs(T=96, H=4, HV=8, K=32, V=32, dtype=torch.bfloat16, gate="safe", seqlens=[44, 52],
+                          initial_state="kv", generator=torch.Generator().manual_seed(0))
     compare_with_naive(chunk_kda, inp, SPEC_RMS_LIMITS)
 
 
