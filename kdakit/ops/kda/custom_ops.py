@@ -91,6 +91,15 @@ def _absent(q) -> Tensor:
     return q.new_empty((0,))
 
 
+def _fake_outputs(o, q, k, v, g, beta, cu_seqlens, returns_state: bool, state_v_first: bool):
+    """A fake's ``(o, final_state)``: the final state's shape and dtype as the eager op returns it, or the
+    absent-state placeholder."""
+    if not returns_state:
+        return o, _absent(q)
+    shape = _state_shape(q, v, _num_seqs(q, cu_seqlens), state_v_first)
+    return o, q.new_empty(shape, dtype=_state_dtype(q, k, v, g, beta))
+
+
 def _grads_needed(A_log, dt_bias, initial_state, use_gate_in_kernel):
     """Which of the 8 inputs get a gradient: the token tensors always; A_log and dt_bias when given and
     the gate runs in the kernel (otherwise the eager ops do not read them); initial_state when given."""
@@ -127,10 +136,7 @@ def _chunk_kda_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                     output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, safe_gate, lower_bound, state_v_first, chunk_size, checkpoint_every_n_tokens):
     o = v.new_empty(v.shape)
-    if not output_final_state:
-        return o, _absent(q)
-    shape = _state_shape(q, v, _num_seqs(q, cu_seqlens), state_v_first)
-    return o, q.new_empty(shape, dtype=_state_dtype(q, k, v, g, beta))
+    return _fake_outputs(o, q, k, v, g, beta, cu_seqlens, output_final_state, state_v_first)
 
 
 @torch.library.custom_op("kdakit::chunk_kda_backward", mutates_args=())
@@ -218,10 +224,7 @@ def _chunk_kda_pool_fake(q, k, v, g, beta, A_log, dt_bias, state_pool, state_ind
                          scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                          use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, *rest):
     o = v.new_empty(v.shape)
-    if not output_final_state:
-        return o, _absent(q)
-    shape = _state_shape(q, v, _num_seqs(q, cu_seqlens), state_v_first)
-    return o, q.new_empty(shape, dtype=_state_dtype(q, k, v, g, beta))
+    return _fake_outputs(o, q, k, v, g, beta, cu_seqlens, output_final_state, state_v_first)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,10 +252,7 @@ def _fused_recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_se
                           output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                           allow_neg_eigval, lower_bound, state_v_first, safe_gate, segment_tokens):
     o = torch.empty_like(v)  # the eager op allocates o with empty_like(v) (the PyTorch path: dense, the same)
-    if not output_final_state:
-        return o, _absent(q)
-    shape = _state_shape(q, v, _num_seqs(q, cu_seqlens), state_v_first)
-    return o, q.new_empty(shape, dtype=_state_dtype(q, k, v, g, beta))
+    return _fake_outputs(o, q, k, v, g, beta, cu_seqlens, output_final_state, state_v_first)
 
 
 @torch.library.custom_op("kdakit::fused_recurrent_kda_backward", mutates_args=())
@@ -330,10 +330,8 @@ def _fused_recurrent_serving_fake(q, k, v, g, beta, A_log, dt_bias, initial_stat
                                   allow_neg_eigval, lower_bound, state_v_first, safe_gate, inplace_final_state,
                                   check_indices):
     o = torch.empty_like(v)
-    if inplace_final_state or not output_final_state:
-        return o, _absent(q)
-    shape = _state_shape(q, v, _num_seqs(q, cu_seqlens), state_v_first)
-    return o, q.new_empty(shape, dtype=_state_dtype(q, k, v, g, beta))
+    return _fake_outputs(o, q, k, v, g, beta, cu_seqlens, output_final_state and not inplace_final_state,
+                         state_v_first)
 
 
 # ---------------------------------------------------------------------------------------------
