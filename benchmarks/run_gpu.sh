@@ -63,6 +63,9 @@
 # packed into $OUT/triton_autotune.tgz (put it at .tcache/triton_autotune.tgz for the next machine),
 # and $OUT/autotune_new.json lists what this run tuned (an entry whose kernel and key were already
 # in the carried cache means the carried file was not found: a different Triton / environment).
+# At the end every file under $OUT but stages.log is packed into $OUT/results.tgz (PACK_OUT=0: left loose),
+# since the device tool returns only a few files; a command that reads results after run_gpu.sh reads them
+# from the archive (or sets PACK_OUT=0).
 set -uo pipefail
 T0=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -369,4 +372,11 @@ print(f"autotune cache: {len(carried)} files carried, {len(now)} now, {len(new)}
 PY
 (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" | tar czf "$OUT/triton_autotune.tgz" -T -)
 echo "run_gpu.sh: done at +$(( $(date +%s) - T0 )) s, rc $rc" | tee -a "$OUT/stages.log"
+# The device tool returns only a handful of files from $OUT (on 2026-12-01 eight came back and the rest were
+# left out, a train_tiny log among them), so by default everything goes into one archive, results.tgz, beside
+# stages.log; PACK_OUT=0 leaves the files loose. Unpack with: tar xzf results.tgz
+if [ "${PACK_OUT:-1}" = 1 ]; then
+    (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name stages.log -printf '%P\n' \
+        | tar czf results.tgz -T - --remove-files) || echo "run_gpu.sh: packing $OUT failed" >&2
+fi
 exit $rc

@@ -371,6 +371,32 @@ def test_run_gpu_script_parses_and_its_one_call_budget_fits():
         assert f"stage_{s}() {{" in text
 
 
+@pytest.mark.parametrize("pack", ["1", "0"])
+def test_run_gpu_packs_its_outputs_into_one_archive(tmp_path, pack):
+    """The device tool returns only a few files, so run_gpu.sh leaves results.tgz and stages.log (PACK_OUT=0:
+    the files as written). Run from a copy of the script in an empty tree: no wheels to install, no stage."""
+    import tarfile
+
+    (tmp_path / "tree" / "benchmarks").mkdir(parents=True)
+    script = tmp_path / "tree" / "benchmarks" / "run_gpu.sh"
+    script.write_text(open(RUN_GPU).read())
+    out = tmp_path / "out"
+    (out / "train_tiny").mkdir(parents=True)
+    (out / "train_tiny" / "loss_curve.csv").write_text("step,loss\n")
+    (out / "train_tiny.log").write_text("trained\n")
+    env = dict(os.environ, OUT=str(out), TRITON_CACHE_DIR=str(tmp_path / "cache"), PACK_OUT=pack)
+    r = subprocess.run(["bash", str(script), "no_such_stage"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "unknown stage 'no_such_stage'" in r.stdout, r.stdout + r.stderr
+    if pack == "1":
+        assert sorted(p.name for p in out.iterdir()) == ["results.tgz", "stages.log"]
+        with tarfile.open(out / "results.tgz") as t:
+            names = set(t.getnames())
+        assert {"train_tiny.log", "train_tiny/loss_curve.csv", "autotune_new.json", "triton_autotune.tgz"} <= names
+    else:
+        assert (out / "train_tiny.log").exists() and (out / "train_tiny" / "loss_curve.csv").exists()
+        assert not (out / "results.tgz").exists()
+
+
 def test_bench_chunk_main_records_gate_drops_kdakit_on_failure_and_writes_comparisons(monkeypatch, tmp_path):
     import bench_chunk
 
