@@ -34,13 +34,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kdakit.ops.kda.preprocess import L2NORM_EPS, SOFTPLUS_THRESHOLD
+
 # Gate modes (constexpr GATE in the kernels).
 GATE_NONE = 0  # g is the log-decay itself
 GATE_SOFTPLUS = 1  # a = -exp(A_log) * softplus(g + dt_bias)
 GATE_LOWER_BOUND = 2  # a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
 
-L2NORM_EPS = 1e-6
-SOFTPLUS_THRESHOLD = 20.0
 # Below this, log(1 + exp(x)) is exp(x) to float32 precision and the sum 1 + exp(x) would round away.
 SOFTPLUS_SMALL = -15.0
 # Log-decays are clamped to >= this on load. Every factor the kernels form is exp of a sum of
@@ -48,6 +48,11 @@ SOFTPLUS_SMALL = -15.0
 # contains a clamped term is exactly 0 either way; the clamp only keeps the chunk cumsum small so
 # that differences G_i - G_j after a reset-level decay (-1000) keep their precision.
 LOG_DECAY_FLOOR = -110.0
+# The same constants as tl.constexpr: the form in which a @triton.jit function may read a module global.
+L2NORM_EPS_TL = tl.constexpr(L2NORM_EPS)
+SOFTPLUS_THRESHOLD_TL = tl.constexpr(SOFTPLUS_THRESHOLD)
+SOFTPLUS_SMALL_TL = tl.constexpr(SOFTPLUS_SMALL)
+LOG_DECAY_FLOOR_TL = tl.constexpr(LOG_DECAY_FLOOR)
 
 
 def gate_mode(use_gate_in_kernel: bool, lower_bound: float | None) -> int:
@@ -173,7 +178,7 @@ def store_matrix(base, x, stride0, stride1, n0, n1, off1, B0: tl.constexpr, B1: 
 @triton.jit
 def l2norm_rows(x):
     """Row-wise ``x * rsqrt(sum x^2 + 1e-6)``. x ``[BR, BC]`` -> (y ``[BR, BC]``, rstd ``[BR]``)."""
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)  # [BR]
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + L2NORM_EPS_TL)  # [BR]
     return x * rstd[:, None], rstd
 
 
@@ -191,8 +196,8 @@ def l2norm_rows_bwd(dy, y, rstd):
 def softplus_fp32(x):
     """``softplus(x)`` in fp32, as torch's (threshold 20: x above it); ``e^x`` below -15, where ``1 + e^x``
     rounds to 1 and would lose the value. NaN in, NaN out. The chunk and the recurrent kernels' one copy."""
-    big = x > 20.0
-    small = x < -15.0
+    big = x > SOFTPLUS_THRESHOLD_TL
+    small = x < SOFTPLUS_SMALL_TL
     xs = tl.where(big | small, 0.0, x)  # keep exp() of the unused branch finite
     mid = tl.log(1.0 + tl.exp(xs))
     return tl.where(big, x, tl.where(small, tl.exp(tl.minimum(x, 0.0)), mid))
@@ -283,7 +288,7 @@ def load_chunk_gate(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, expA, lower
     if HAS_BIAS:
         bias = tl.load(bias_ptr + c, mask=c < K, other=0.0).to(tl.float32)  # [BC]
         x = x + bias[None, :]
-    a = tl.maximum(gate_log_decay(x, expA, lower_bound, GATE), -110.0)
+    a = tl.maximum(gate_log_decay(x, expA, lower_bound, GATE), LOG_DECAY_FLOOR_TL)
     return tl.where(mask, a, 0.0)  # [C, BC]
 
 

@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import (
+    L2NORM_EPS_TL,
+    LOG_DECAY_FLOOR_TL,
     beta_activation,
     gate_log_decay,
     l2norm_rows_bwd,
@@ -338,7 +340,7 @@ def gate_from_preact(x, t0, n_rows, col0, K, expA, lower_bound,
     r = t0 + tl.arange(0, BR)
     c = col0 + tl.arange(0, BC)
     mask = (r < n_rows)[:, None] & (c < K)[None, :]
-    return tl.where(mask, tl.maximum(a, -110.0), 0.0)
+    return tl.where(mask, tl.maximum(a, LOG_DECAY_FLOOR_TL), 0.0)
 
 
 @triton.jit
@@ -353,7 +355,7 @@ def gate_bwd(da, x, a, expA, lower_bound, GATE: tl.constexpr):
     """(dx, dA_log element terms) of ``a = gate(x)``; ``a`` is the clamped log-decay (the clamp at
     -110 has zero gradient)."""
     if GATE == 1:
-        live = a > -110.0
+        live = a > LOG_DECAY_FLOOR_TL
         dx = tl.where(live, da * (-expA) * tl.sigmoid(x), 0.0)
         dlog = tl.where(live, da * a, 0.0)
     elif GATE == 2:
@@ -362,7 +364,7 @@ def gate_bwd(da, x, a, expA, lower_bound, GATE: tl.constexpr):
         dx = ds * expA
         dlog = ds * expA * x
     else:
-        dx = tl.where(a > -110.0, da, 0.0)
+        dx = tl.where(a > LOG_DECAY_FLOOR_TL, da, 0.0)
         dlog = da * 0.0
     return dx, dlog
 
@@ -381,7 +383,7 @@ def load_unit_rows(base, t0, n_rows, stride_row, K, BR: tl.constexpr, BK: tl.con
     """(x normalized, x raw, rstd ``[BR]``) of q or k rows; rstd = 1 without l2norm."""
     x = load_rows(base, t0, n_rows, stride_row, 0, K, BR, BK)
     if USE_L2NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + L2NORM_EPS_TL)
     else:
         rstd = tl.zeros([BR], dtype=tl.float32) + 1.0
     return x * rstd[:, None], rstd

@@ -29,9 +29,7 @@ from kdakit.ops.kda.recurrent_forward import (
     DEFAULT_SEGMENT_TOKENS,
     FWD_BLOCK_V,
     FWD_NUM_WARPS,
-    L2NORM_EPS,
     MAX_HEAD_DIM,
-    SOFTPLUS_THRESHOLD,
     beta_mode,
     beta_value,
     check_kernel_layout,
@@ -44,6 +42,7 @@ from kdakit.ops.kda.recurrent_forward import (
     qk_activation,
     softplus_fp32,
 )
+from kdakit.ops.kda.preprocess import L2NORM_EPS, SOFTPLUS_THRESHOLD
 from kdakit.ops.kda.validate import flat_gate_params
 from kdakit.ops.kda.workspace import (
     Workspace,

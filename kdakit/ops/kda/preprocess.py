@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The token transforms' constants, for the PyTorch paths here and, as tl.constexpr, for the Triton kernels
+# (chunk_common): the l2norm's epsilon; softplus(x) = x above the threshold, as in FLA's gate kernels.
 L2NORM_EPS = 1e-6
-# softplus(x) = x above this threshold, as in FLA's gate kernels.
 SOFTPLUS_THRESHOLD = 20.0
 
 

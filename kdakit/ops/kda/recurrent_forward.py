@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import seq_bounds, softplus_fp32
+from kdakit.ops.kda.chunk_common import L2NORM_EPS_TL, seq_bounds, softplus_fp32
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -50,8 +50,6 @@ FWD_NUM_WARPS = 4
 # encoded once, into its KDAOptions (options.py).
 BETA_RAW, BETA_SIGMOID, BETA_SIGMOID_X2 = 0, 1, 2
 
-L2NORM_EPS = 1e-6
-SOFTPLUS_THRESHOLD = 20.0
 
 # The backward's segment length: sequences longer than this are recomputed segment by segment from
 # state checkpoints, so its scratch scales with segment_tokens, not T (recurrent_backward.py).
@@ -119,7 +117,7 @@ def state_tile(i_n, i_hv, offs_k, offs_v, mask_k, mask_v, HV: tl.constexpr, K: t
 def qk_activation(x, L2NORM: tl.constexpr):
     """``x / sqrt(sum x^2 + 1e-6)`` when asked, else x."""
     if L2NORM:
-        x = x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
+        x = x * tl.rsqrt(tl.sum(x * x, axis=0) + L2NORM_EPS_TL)
     return x
 
 
