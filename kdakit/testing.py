@@ -70,10 +70,13 @@ def make_kda_inputs(
     seqlens: packed sequences (B must be 1, T their sum). initial_state: None, ``kv``, ``vk``
     (value-first) or ``kv_bf16``. reset_tokens: fraction of tokens whose log-decay is -1000
     (only with gate ``none``; never the first token, so the initial state always matters). Returns a dict with ``tensors`` (name -> tensor, all leaves to
-    differentiate) and ``kwargs`` (options for chunk_kda / naive_recurrent_kda).
+    differentiate), ``kwargs`` (options for chunk_kda / naive_recurrent_kda) and ``seed``: without
+    ``generator``, the fresh seed the inputs were drawn from (``compare_with_naive`` names it in a failure,
+    so that a random case can be rerun with ``generator=torch.Generator().manual_seed(seed)``), else None.
     """
     HV = HV or H
-    gen = generator or torch.Generator().manual_seed(torch.seed() % 2**31)
+    seed = None if generator is not None else torch.seed() % 2**31
+    gen = generator if generator is not None else torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     if seqlens is not None:
         if B != 1 or sum(seqlens) != T:
@@ -118,7 +121,7 @@ def make_kda_inputs(
             cu.append(cu[-1] + n)
         kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.long, device=device)
     t = {name: x.to(device).requires_grad_() for name, x in t.items()}
-    return {"tensors": t, "kwargs": kw}
+    return {"tensors": t, "kwargs": kw, "seed": seed}
 
 
 BETA_MODES = ("raw", "sigmoid", "neg_eigval")
@@ -179,7 +182,7 @@ SPEC_RMS_LIMITS = {
 def float64_copy(inputs: dict) -> dict:
     """The same inputs as fresh float64 leaves (the reference's precision), same options."""
     return {"tensors": {n: x.detach().double().requires_grad_() for n, x in inputs["tensors"].items()},
-            "kwargs": inputs["kwargs"]}
+            "kwargs": inputs["kwargs"], "seed": inputs.get("seed")}
 
 
 def compare_with_naive(fn, inputs: dict, limits, *, seed: int | None = None, **extra) -> dict:
@@ -207,5 +210,10 @@ def compare_with_naive(fn, inputs: dict, limits, *, seed: int | None = None, **e
         leaf = inputs["tensors"].get(name[1:]) if name.startswith("d") else None
         if leaf is not None and got[name].dtype != leaf.dtype:
             raise AssertionError(f"{name} has dtype {got[name].dtype}, its input {leaf.dtype}")
-        assert_close(name, ref[name], got[name], limits if isinstance(limits, float) else limits[name])
+        try:
+            assert_close(name, ref[name], got[name], limits if isinstance(limits, float) else limits[name])
+        except AssertionError as exc:
+            if inputs.get("seed") is None:
+                raise
+            raise AssertionError(f"{exc} (inputs drawn with make_kda_inputs seed {inputs['seed']})") from None
     return got
