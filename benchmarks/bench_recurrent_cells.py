@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kdakit.ops.kda.decode import decode_launch_config, decode_options, kda_decode, kernel_gate_params, launch_kda_decode
+from kdakit.ops.kda.decode import decode_launch_config, decode_options, kda_decode, launch_kda_decode
 
 # Speculative decoding (issue #13 item 9): S tokens per sequence, state_indices [N, S], num_accepted_tokens [N]
 SPEC_S = 4
@@ -114,7 +114,7 @@ def _launch_fn(t, opts, pool, idx, out, block_v, num_warps):
     launches decode.py's ``decode_launch_config``), without kda_decode's validation."""
     N = t["q"].shape[0]
     kopts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"], **opts)
-    A_log, dt_bias = kernel_gate_params(kopts, t["A_log"], t["dt_bias"])
+    A_log, dt_bias = kopts.kernel_gate_params(t["A_log"], t["dt_bias"])
 
     def run():
         launch_kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, None, out, kopts, A_log=A_log,

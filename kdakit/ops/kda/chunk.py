@@ -25,7 +25,7 @@ from kdakit.ops.kda.chunk_reference import chunked_kda_reference, chunked_kda_re
 from kdakit.ops.kda.compiled import chunk_kda_via_op
 from kdakit.ops.kda.state_pool import gather_pool_rows, scatter_pool_rows, zero_padded_outputs
 from kdakit.ops.kda.options import kda_options
-from kdakit.ops.kda.validate import check_state_pool, flat_gate_params
+from kdakit.ops.kda.validate import check_state_pool
 from kdakit.ops.kda.workspace import check_capturable_offsets, is_capturing
 
 # FLA 0.6.0 options kdakit does not implement; each raises if set to a non-default value.
@@ -194,13 +194,11 @@ def chunk_kda(
         cu_seqlens_cpu=cu_seqlens_cpu, engine_gate_shapes=True,
     )
     shape = opts.shape
-    A_log, dt_bias = flat_gate_params(A_log, dt_bias)  # engine shapes -> the [HV] / [HV * K] views the kernels read
+    A_log, dt_bias = opts.kernel_gate_params(A_log, dt_bias)
     if state_indices is not None:  # check_state_pool refuses a missing pool too
         host = check_state_pool(pool, state_indices, shape, state_v_first=state_v_first, device=q.device,
                                 check_values=check_indices and not capturing)
         initial_state, valid = gather_pool_rows(pool, state_indices, host)
-    if not use_gate_in_kernel:
-        A_log = dt_bias = None
     tensors = dict(A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu_seqlens)
     backend = select_backend(q.device)
     if backend == "triton" and chunk_size not in (None, 16):

@@ -54,7 +54,7 @@ from kdakit.ops.kda.recurrent_forward import (
     token_activations,
 )
 from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
-from kdakit.ops.kda.validate import STATE_DTYPES, check_pool_rows, flat_gate_params
+from kdakit.ops.kda.validate import STATE_DTYPES, check_pool_rows
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
@@ -435,7 +435,7 @@ def kda_decode(
             _check_index_values(state_pool.shape[0], state_indices, num_accepted_tokens, opts.shape)
         if out is not None:
             check_out("out", out, v.shape, v.dtype, device)
-    A_log, dt_bias = kernel_gate_params(opts, A_log, dt_bias)
+    A_log, dt_bias = opts.kernel_gate_params(A_log, dt_bias)
     o = out if out is not None else torch.empty_like(v)
     args = (q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o, opts)
     kw = dict(A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, N=opts.shape.N)
@@ -451,14 +451,6 @@ def kda_decode(
     if not capturing:
         ws.mark_prepared(signature)
     return o
-
-
-def kernel_gate_params(opts: KDAOptions, A_log, dt_bias):
-    """The ``[HV]`` / ``[HV * K]`` views of the in-kernel gate's parameters the kernel reads (engine shapes
-    flattened), or None for each without the in-kernel gate (FLA reads them only for it)."""
-    if not opts.use_gate_in_kernel:
-        return None, None
-    return flat_gate_params(A_log, dt_bias)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,7 +527,7 @@ def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_sta
                                         ssm_state_indices, num_accepted_tokens, lengths,
                                         reads=initial_state is not None, writes=inplace_final_state)
     HV, V = v.shape[2], v.shape[3]
-    A_log, dt_bias = kernel_gate_params(opts, A_log, dt_bias)
+    A_log, dt_bias = opts.kernel_gate_params(A_log, dt_bias)
     o = out if out is not None else torch.empty_like(v)
     if inplace_final_state:
         final = ht = initial_state

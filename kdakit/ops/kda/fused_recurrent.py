@@ -43,7 +43,6 @@ from kdakit.ops.kda.recurrent_forward import (
     softplus_fp32,
 )
 from kdakit.ops.kda.preprocess import L2NORM_EPS, SOFTPLUS_THRESHOLD
-from kdakit.ops.kda.validate import flat_gate_params
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
@@ -275,9 +274,7 @@ def fused_recurrent_kda(
                 raise ValueError("final_state_out is taken by the Triton path only, got the PyTorch backend")
             want = (N, shape.HV, shape.V, K) if state_v_first else (N, shape.HV, K, shape.V)
             check_out("final_state_out", final_state_out, want, torch.float32, device)
-    A_log, dt_bias = flat_gate_params(A_log, dt_bias)  # engine shapes -> the [HV] / [HV * K] views read below
-    # FLA reads A_log, dt_bias and lower_bound only for the in-kernel gate (opts.lower_bound is None without it).
-    A_log_k, dt_bias_k = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
+    A_log_k, dt_bias_k = opts.kernel_gate_params(A_log, dt_bias)
 
     if backend == "torch":
         # the PyTorch loop reads the offsets on the host: the host copy when there is one (validated

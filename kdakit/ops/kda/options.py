@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kdakit.ops.kda.chunk_common import gate_mode
 from kdakit.ops.kda.recurrent_forward import beta_mode
-from kdakit.ops.kda.validate import KDAShape, metadata_shape, validate_kda_inputs
+from kdakit.ops.kda.validate import KDAShape, flat_gate_params, metadata_shape, validate_kda_inputs
 
 
 def uses_safe_path(safe_gate: bool, use_gate_in_kernel: bool, lower_bound: float | None) -> bool:
@@ -93,6 +93,13 @@ class KDAOptions:
         """The option constexprs of the recurrent forward kernel and the backward's two token passes."""
         return dict(L2NORM=self.use_qk_l2norm_in_kernel, GATE=self.gate, HAS_A=self.has_A_log,
                     HAS_BIAS=self.has_dt_bias, BETA=self.beta, STATE_V_FIRST=self.state_v_first)
+
+    def kernel_gate_params(self, A_log, dt_bias):
+        """The gate parameters as every path reads them: the ``[HV]`` / ``[HV * K]`` views of accepted engine
+        shapes, or None for both without the in-kernel gate (FLA reads them only for it)."""
+        if not self.use_gate_in_kernel:
+            return None, None
+        return flat_gate_params(A_log, dt_bias)
 
     def reference_kwargs(self) -> dict:
         """The options as the PyTorch references take them (FLA's keyword arguments, resolved)."""

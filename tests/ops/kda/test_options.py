@@ -222,3 +222,13 @@ def test_decode_and_serving_launch_the_one_object(monkeypatch):
                             dt_bias=dt_bias)
     assert len(built) == 1 and seen == built
     assert (seen[0].gate, seen[0].has_A_log, seen[0].has_dt_bias) == (GATE_SOFTPLUS, True, True)
+
+
+def test_kernel_gate_params_flattens_views_or_drops_them_without_the_gate():
+    (q, k, v, g, beta), A_log, dt_bias = _inputs()
+    A2, b2 = A_log.view(2, 1), dt_bias.view(2, 16)
+    opts = kda_options(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A2, dt_bias=b2, engine_gate_shapes=True)
+    a, b = opts.kernel_gate_params(A2, b2)
+    assert a.shape == (2,) and b.shape == (32,) and a.data_ptr() == A2.data_ptr() and b.data_ptr() == b2.data_ptr()
+    plain = kda_options(q, k, v, g, beta, A_log=A2, dt_bias=b2, engine_gate_shapes=True)
+    assert plain.kernel_gate_params(A2, b2) == (None, None)
