@@ -12,6 +12,15 @@ pool and inputs (kda_decode's serving options: l2norm, the safe gate, sigmoid be
   of a small grid. ``native_round``: bf16 rounding by the GPU's cvt instead of the integer recipe the
   interpreter needs; ``tiles`` > 1: a persistent grid where each program walks ``tiles`` state tiles and
   loads the next tile's state while it computes the current one.
+* ``seq``: the same math on a grid where each program takes ``tiles`` consecutive tiles of ONE
+  sequence's pool row (one index load, then a contiguous ``tiles * block_v * K`` run of the row), the
+  next tile's state requested before the current one is computed, so only a program's first tile
+  waits on the index -> state chain; ``evict``: the state read with ``evict_first`` and written with
+  streaming stores (``.cs``), since each byte is touched once.
+
+Each kernel is timed two ways: one step per graph replay (what bench_recurrent reports) and ``--amortize``
+steps in one graph divided by their number (the step's GPU time without the replay's own launch; the copy
+is timed the same two ways, so the ratios compare like with like).
 
 Each prototype config is gated against kda_decode's own output and pool on the same start (bf16 pools:
 bitwise equal rows where the rounding agrees; the max abs difference is recorded). GPU only.
@@ -32,7 +41,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_recurrent import _decode_inputs, environment  # noqa: E402
+from bench_recurrent import _decode_inputs, copy_bandwidth, environment  # noqa: E402
 from timing import graphed, median_ms  # noqa: E402
 from kdakit.ops.kda.chunk_common import round_to_bf16  # noqa: E402
 from kdakit.ops.kda.decode import kda_decode  # noqa: E402
@@ -92,6 +101,86 @@ def _dev_decode_kernel(q, k, v, g, beta, A_log, dt_bias, pool, idx, o, scale, lo
         tl.store(pool + c_slot * row_stride + c_offs, S.to(pool.dtype.element_ty), mask=cur_ok & (c_offs >= 0))
 
 
+@triton.jit
+def _dev_decode_seq_kernel(q, k, v, g, beta, A_log, dt_bias, pool, idx, o, scale, lower_bound, row_stride,
+                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                           TILES: tl.constexpr, NATIVE_ROUND: tl.constexpr, ROUND: tl.constexpr,
+                           EVICT: tl.constexpr):
+    NVT: tl.constexpr = V // BV
+    TPN: tl.constexpr = HV * NVT                      # tiles of one sequence's row; TILES divides it
+    offs_k = tl.arange(0, K)
+    offs_r = tl.arange(0, BV)
+    tile0 = tl.program_id(0).to(tl.int64) * TILES
+    i_n = tile0 // TPN
+    j0 = tile0 % TPN                                  # tile j of the row: state rows [j * BV, (j + 1) * BV)
+    slot = tl.load(idx + i_n).to(tl.int64)
+    row = pool + slot * row_stride
+    offs_t = offs_r[:, None] * K + offs_k[None, :]                                                  # [BV, K]
+    if EVICT:
+        S_next = tl.load(row + j0 * BV * K + offs_t, eviction_policy="evict_first")
+    else:
+        S_next = tl.load(row + j0 * BV * K + offs_t)
+    for t in tl.static_range(TILES):
+        S = S_next.to(tl.float32)
+        j = j0 + t
+        if t + 1 < TILES:
+            if EVICT:
+                S_next = tl.load(row + (j + 1) * BV * K + offs_t, eviction_policy="evict_first")
+            else:
+                S_next = tl.load(row + (j + 1) * BV * K + offs_t)
+        i_hv = j // NVT
+        i_v = j % NVT
+        i_h = i_hv // (HV // H)
+        b_q = tl.load(q + (i_n * H + i_h) * K + offs_k).to(tl.float32)
+        b_k = tl.load(k + (i_n * H + i_h) * K + offs_k).to(tl.float32)
+        b_g = tl.load(g + (i_n * HV + i_hv) * K + offs_k).to(tl.float32)
+        offs_v = i_v * BV + offs_r
+        b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)
+        b_b = tl.sigmoid(tl.load(beta + i_n * HV + i_hv).to(tl.float32))
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+        x = b_g + tl.load(dt_bias + i_hv * K + offs_k).to(tl.float32)
+        b_a = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * x)
+        S = S * tl.exp(b_a)[None, :]
+        b_u = b_b * (b_v - tl.sum(S * b_k[None, :], axis=1))
+        S = S + b_u[:, None] * b_k[None, :]
+        if ROUND:
+            if NATIVE_ROUND:
+                S = S.to(tl.bfloat16).to(tl.float32)
+            else:
+                S = round_to_bf16(S)
+        b_o = scale * tl.sum(S * b_q[None, :], axis=1)
+        tl.store(o + (i_n * HV + i_hv) * V + offs_v, b_o.to(o.dtype.element_ty))
+        if EVICT:
+            tl.store(row + j * BV * K + offs_t, S.to(pool.dtype.element_ty), cache_modifier=".cs")
+        else:
+            tl.store(row + j * BV * K + offs_t, S.to(pool.dtype.element_ty))
+
+
+def launch_seq(t, opts, pool, idx, out, block_v, num_warps, native_round, tiles, evict):
+    N, _, H, K = t["q"].shape
+    HV, V = t["v"].shape[2], t["v"].shape[3]
+    tiles_per_row = HV * (V // block_v)
+    if tiles_per_row % tiles:
+        raise ValueError(f"tiles={tiles} must divide the {tiles_per_row} tiles of a row")
+    _dev_decode_seq_kernel[(N * tiles_per_row // tiles,)](
+        t["q"], t["k"], t["v"], t["g"], t["beta"], t["A_log"], t["dt_bias"], pool, idx, out,
+        float(K ** -0.5), float(opts["lower_bound"]), pool.stride(0),
+        H=H, HV=HV, K=K, V=V, BV=block_v, TILES=tiles, NATIVE_ROUND=native_round,
+        ROUND=pool.dtype == torch.bfloat16, EVICT=evict, num_warps=num_warps)
+
+
+def amortized_us(fn, steps, iters):
+    """GPU time of one ``fn`` with ``steps`` of them in one CUDA graph (the replay's launch spread over them)."""
+    def many():
+        for _ in range(steps):
+            fn()
+    replay, graph = graphed(many)
+    us = 1e3 * median_ms(replay, 5, max(iters // steps, 10)) / steps
+    del graph
+    return us
+
+
 def launch_dev(t, opts, pool, idx, out, block_v, num_warps, native_round, tiles):
     N, _, H, K = t["q"].shape
     HV, V = t["v"].shape[2], t["v"].shape[3]
@@ -103,47 +192,90 @@ def launch_dev(t, opts, pool, idx, out, block_v, num_warps, native_round, tiles)
                              ROUND=pool.dtype == torch.bfloat16, num_warps=num_warps)
 
 
-def run_cell(N, pool_dtype, grid, iters):
+def _timed(fn, iters, amortize):
+    """(one step per graph replay, amortized over ``amortize`` steps in one graph), both in us."""
+    replay, graph = graphed(fn)
+    one = 1e3 * median_ms(replay, 20, iters)
+    del graph
+    return one, amortized_us(fn, amortize, iters)
+
+
+def run_cell(N, pool_dtype, variants, iters, amortize, copy_GBps, with_fla):
     H, K, V = 32, 128, 128
     t, opts = _decode_inputs(N, H, K, V)
     gen = torch.Generator(device=DEV).manual_seed(7)
     pool0 = (0.3 * torch.randn(N, H, V, K, device=DEV, generator=gen)).to(pool_dtype)
     idx = torch.randperm(N, device=DEV, generator=gen).to(torch.int32)
     nbytes = 2 * pool0.numel() * pool0.element_size()
-    cell = {"N": N, "state_dtype": str(pool_dtype).replace("torch.", ""), "state_bytes": nbytes}
+    floor_us = nbytes / copy_GBps / 1e3
+    cell = {"N": N, "state_dtype": str(pool_dtype).replace("torch.", ""), "state_bytes": nbytes,
+            "floor_us_at_copy_rate": floor_us}
 
     src, dst = pool0.clone(), torch.empty_like(pool0)
-    replay, _g0 = graphed(lambda: dst.copy_(src))
-    cell["copy_us"] = 1e3 * median_ms(replay, 20, iters)
+    cell["copy_us"], cell["copy_amortized_us"] = _timed(lambda: dst.copy_(src), iters, amortize)
 
     ref_pool, ref_o = pool0.clone(), torch.empty_like(t["v"])
     kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, A_log=t["A_log"], dt_bias=t["dt_bias"],
                out=ref_o, check_indices=False, **opts)
     pool, out = pool0.clone(), torch.empty_like(t["v"])
-    replay, _g1 = graphed(lambda: kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, A_log=t["A_log"],
-                                             dt_bias=t["dt_bias"], out=out, check_indices=False, **opts))
-    cell["kda_decode_us"] = 1e3 * median_ms(replay, 20, iters)
+    cell["kda_decode_us"], cell["kda_decode_amortized_us"] = _timed(
+        lambda: kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, A_log=t["A_log"],
+                           dt_bias=t["dt_bias"], out=out, check_indices=False, **opts), iters, amortize)
+    if with_fla:
+        try:
+            from bench_recurrent import _fla_decode_fn
+            fpool, fout = pool0.clone(), torch.empty_like(t["v"])
+            cell["fla_us"], cell["fla_amortized_us"] = _timed(_fla_decode_fn(t, opts, fpool, idx, fout), iters,
+                                                              amortize)
+        except Exception as exc:  # noqa: BLE001 - the prototype rows stand without FLA's
+            cell["fla_error"] = f"{type(exc).__name__}: {exc}"
     rows = []
-    for block_v, num_warps, native_round, tiles in grid:
-        r = dict(block_v=block_v, num_warps=num_warps, native_round=native_round, tiles=tiles)
+    for kind, params in variants:
+        if kind == "seq" and (H * (V // params["block_v"])) % params["tiles"]:
+            continue
+        if params["native_round"] and pool_dtype != torch.bfloat16:
+            continue
+        if kind == "seq" and pool_dtype == torch.bfloat16 and not params["native_round"]:
+            continue  # the per-sequence kernel is timed with the GPU's cast (what a shipped kernel would use)
+        launch = launch_seq if kind == "seq" else launch_dev
+        r = dict(kind=kind, **params)
         p, o = pool0.clone(), torch.empty_like(t["v"])
-        launch_dev(t, opts, p, idx, o, block_v, num_warps, native_round, tiles)
+        try:
+            launch(t, opts, p, idx, o, **params)
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row, not the end
+            r["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(r)
+            print(f"N={N} {cell['state_dtype']} {r}", flush=True)
+            continue
         r["max_abs_o"] = (o.float() - ref_o.float()).abs().max().item()
         r["max_abs_state"] = (p.float() - ref_pool.float()).abs().max().item()
         r["ok"] = r["max_abs_o"] < 1e-2 and r["max_abs_state"] < 2e-2
         if r["ok"]:
-            replay, _g = graphed(lambda: launch_dev(t, opts, p, idx, o, block_v, num_warps, native_round, tiles))
-            r["us"] = 1e3 * median_ms(replay, 20, iters)
-            r["fraction_of_same_size_copy"] = cell["copy_us"] / r["us"]
-            del _g
+            r["us"], r["amortized_us"] = _timed(lambda: launch(t, opts, p, idx, o, **params), iters, amortize)
+            r["fraction_of_copy"] = floor_us / r["us"]
+            r["amortized_fraction_of_copy"] = floor_us / r["amortized_us"]
         rows.append(r)
         print(f"N={N} {cell['state_dtype']} {r}", flush=True)
     cell["proto"] = rows
     ok = [r for r in rows if "us" in r]
     cell["best"] = min(ok, key=lambda r: r["us"]) if ok else None
-    print(f"N={N} {cell['state_dtype']}: copy {cell['copy_us']:.1f} us, kda_decode {cell['kda_decode_us']:.1f} us, "
-          f"best proto {cell['best']}", flush=True)
+    print(f"N={N} {cell['state_dtype']}: floor {floor_us:.1f} us, copy {cell['copy_us']:.1f} "
+          f"({cell['copy_amortized_us']:.1f} amortized), kda_decode {cell['kda_decode_us']:.1f} "
+          f"({cell['kda_decode_amortized_us']:.1f}), FLA {cell.get('fla_us', float('nan')):.1f} "
+          f"({cell.get('fla_amortized_us', float('nan')):.1f}); best proto {cell['best']}", flush=True)
     return cell
+
+
+def variant_grid():
+    """The loop-free kernel's best config of the last run, then the per-sequence grid."""
+    out = [("proto", dict(block_v=16, num_warps=1, native_round=True, tiles=1)),
+           ("proto", dict(block_v=16, num_warps=1, native_round=False, tiles=1))]
+    for bv, w in ((16, 1), (32, 1), (64, 2)):
+        for tiles in (1, 2, 4, 8):
+            for evict in (False, True):
+                for nr in (False, True):
+                    out.append(("seq", dict(block_v=bv, num_warps=w, native_round=nr, tiles=tiles, evict=evict)))
+    return out
 
 
 def main():
@@ -151,14 +283,15 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--ns", default="64,256")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--amortize", type=int, default=20, help="steps per graph for the amortized timing")
+    ap.add_argument("--no-fla", action="store_true")
     args = ap.parse_args()
-    grid = [(bv, w, nr, tiles) for bv, w in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4))
-            for nr in (False, True) for tiles in (1, 2, 4)]
-    res = {"env": environment(), "cells": []}
+    res = {"env": environment(), "copy": copy_bandwidth(), "cells": []}
+    print(f"copy bandwidth {res['copy']['GBps']:.0f} GB/s", flush=True)
     for N in (int(n) for n in args.ns.split(",")):
         for dt in (torch.bfloat16, torch.float32):
-            g = grid if dt == torch.bfloat16 else [c for c in grid if not c[2]]
-            res["cells"].append(run_cell(N, dt, g, args.iters))
+            res["cells"].append(run_cell(N, dt, variant_grid(), args.iters, args.amortize, res["copy"]["GBps"],
+                                         not args.no_fla))
             json.dump(res, open(args.out, "w"), indent=1)
     print(f"wrote {args.out}")
 

@@ -31,7 +31,7 @@
 #   end      ~3 s           chunk_vs_fla.json (protocol join + sweep join), autotune_new.json, triton_autotune.tgz
 #
 #   bash benchmarks/run_gpu.sh [STAGE ...]   stages run in the order given:
-#       env warm chunk fla sweep profile chunk64 tests recurrent layer tune tunecompile flawarm wait
+#       env warm chunk fla sweep profile chunk64 tests recurrent flalayer devdecode layer tune tunecompile flawarm wait
 #       (default: env warm chunk fla sweep profile tests)
 #   env       env.json (GPU, torch, triton, CUDA, FLA, python, git sha, date)
 #   warm      the correctness gate (gate.json) in the foreground; in the background FLA's
@@ -50,6 +50,9 @@
 #             counts, and at 60 s the 2026-12-01 run lost six tests to it or to failures it could not tell
 #             apart), one line per test so a cut run shows how far it got
 #   recurrent decode and recurrent fwd+bwd benchmark (bench_recurrent.py)
+#   flalayer  FLA's layer alone in bench_layer.py at LAYER_TOKENS, the whole stage for its first call (its
+#             autotuning took over 175 s on 2026-12-01; the tuned configs are packed for the next machine)
+#   devdecode the decode-step prototypes beside kda_decode, a copy and FLA (dev_decode.py; DEV_DECODE_ARGS)
 #   layer     kdakit's KimiDeltaAttention against FLA's (needs .whl/layer): the GPU comparison test,
 #             bench_layer.py at LAYER_TOKENS (131072) and examples/train_tiny.py --device cuda (TRAIN_TINY_ARGS)
 #   tune      launch-config sweep of the windowed backward (tune_windowed.py); tunecompile only
@@ -256,6 +259,19 @@ stage_recurrent() {
     return "${PIPESTATUS[0]}"
 }
 
+stage_flalayer() {
+    timeout -k 5 "$1" python3 benchmarks/bench_layer.py --tokens "${LAYER_TOKENS:-131072}" --backends fla \
+        --timeout $(( $1 - 10 )) --out "$OUT/layer_fla.json" 2>&1 | tee -a "$OUT/run.log"
+    return "${PIPESTATUS[0]}"
+}
+
+stage_devdecode() {
+    # shellcheck disable=SC2086
+    timeout -k 5 "$1" python3 benchmarks/dev_decode.py --out "$OUT/dev_decode.json" ${DEV_DECODE_ARGS:-} 2>&1 \
+        | tee -a "$OUT/run.log"
+    return "${PIPESTATUS[0]}"
+}
+
 stage_layer() {
     # kdakit's layer against FLA's: the GPU test that compares them, bench_layer at LAYER_TOKENS (both
     # backends, a fresh process each) and train_tiny --device cuda (both layers, same weights and data).
@@ -303,7 +319,7 @@ stage_wait() {
 }
 
 declare -A DEFAULT_LIMIT=([env]=10 [warm]=160 [chunk]=100 [fla]=150 [sweep]=80 [profile]=20 [chunk64]=150 [tests]=rest
-                          [recurrent]=150 [layer]=300 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest)
+                          [recurrent]=150 [flalayer]=300 [devdecode]=200 [layer]=300 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest)
 for s in "${stages[@]}"; do
     if [ -z "${DEFAULT_LIMIT[$s]+x}" ]; then
         echo "run_gpu.sh: unknown stage '$s' (skipped)" | tee -a "$OUT/stages.log"
