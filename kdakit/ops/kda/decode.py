@@ -33,7 +33,9 @@ the stored copies are rounded.)
 Kernel: grid ``(N * HV, cdiv(V, BV))``; each program moves a ``[BV, K]`` tile of one state
 (read once, written once per step), so a step moves ``2 * N * HV * V * K`` state elements.
 The same kernel serves both entry points; constexpr flags choose the state layout
-(value-first or ``[K, V]``), where states are written (``WRITE_*``) and the bf16 rounding.
+(value-first or ``[K, V]``), where states are written (``WRITE_*``) and the bf16 rounding. A
+one-token step updated in place with ``[N]`` indices (plain decode) runs instead on the mask-free
+1-D-grid kernel of ``decode_step.py``, the same math and bits (its docstring says why).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import triton.language as tl
 from kdakit.ops.kda.backend import select_backend, triton_interpreting
 from kdakit.ops.kda.chunk_common import round_to_bf16, round_to_bf16_if
 from kdakit.ops.kda.compiled import kda_decode_via_op
+from kdakit.ops.kda.decode_step import launch_pool_step, step_kernel_applies
 from kdakit.ops.kda.options import KDAOptions, kda_options
 from kdakit.ops.kda.recurrent_forward import (
     check_kernel_layout,
@@ -74,8 +77,9 @@ from kdakit.ops.kda.workspace import (
 # fastest (fp32 0.81, bf16 0.69); from N=256 on, [64, K] tiles on two warps are (fp32 0.86-0.89 vs
 # 0.84 for the small tile, bf16 0.74-0.79 vs 0.72). The rule: the wide tile once its grid has
 # WIDE_DECODE_MIN_PROGRAMS programs (N=256 at HV=32 gives 16384), for one-token steps only (longer
-# steps were not swept). A loop-free one-token path with the small tile below N=1024, faster as a
-# prototype, was slower as part of this kernel and was taken out (docs/perf_notes.md, "Decode").
+# steps were not swept). One-token in-place steps with [N] indices now run on decode_step.py's kernel
+# (its own launch config); a loop-free path built into this kernel had been slower than as a prototype
+# (docs/perf_notes.md, "Decode"), so it is a kernel of its own.
 DECODE_BLOCK_V = 16
 DECODE_NUM_WARPS = 1
 WIDE_DECODE_BLOCK_V = 64
@@ -208,6 +212,12 @@ def launch_pool_recurrent(q, k, v, g, beta, o, opts: KDAOptions, *, h0, ht, stat
         return  # no sequence: nothing to run (a zero-sized grid is not a launch)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    if step_kernel_applies(T=T, cu_seqlens=cu_seqlens, state_indices=state_indices, h0=h0, ht=ht,
+                           write_final_to_read_row=write == WRITE_FINAL_TO_READ_ROW,
+                           state_v_first=opts.state_v_first, K=K, V=V, block_v=block_v):
+        launch_pool_step(q, k, v, g, beta, o, opts, pool=h0, state_indices=state_indices, round_state=round_state,
+                         A_log=A_log, dt_bias=dt_bias, N=N, block_v=block_v, num_warps=num_warps)
+        return
     rule_v, rule_warps = decode_launch_config(N, T if cu_seqlens is None else T / N, HV, V)
     block_v = rule_v if block_v is None else block_v
     num_warps = rule_warps if num_warps is None else num_warps

@@ -1,0 +1,129 @@
+"""The one-token decode step over a state pool: ``kda_decode``'s most frequent call, on its own kernel.
+
+The math is the pool kernel's (``decode.py``) for one token per sequence, read and written in place
+to row ``state_indices[n]`` of a value-first pool ``[P, HV, V, K]`` (docs/spec.md §2.1)::
+
+    S'  = S Diag(exp(a))        (S^T tile [BV, K], fp32)
+    u   = beta (v - S' k)
+    S   = S' + u k^T            (rounded to bf16 for a bf16 pool)
+    o   = scale * S q
+
+Why a second kernel: a step is bound by the pool's bytes (it reads and writes ``2 N HV V K`` state
+elements once), and what separates the pool kernel from a copy at N = 64 is latency per program, not
+bytes (docs/perf_notes.md, "Decode"). This kernel gives each program one ``[BV, K]`` tile on a 1-D grid,
+with no token loop and no element masks (K a power of two, BV dividing V), requests the token's inputs
+before the row index and the state that depends on it, and reads the state ``evict_first`` and writes it
+with streaming stores, since each byte is touched once. On the H200 at N = 64, HV = 32, K = V = 128
+(results/dev_decode_h200.json, the ``seq`` rows with tiles = 1): bf16 39.8 us a replayed step against
+42.8 us for the loop-free kernel without those changes, fp32 73.3 against 74.1.
+
+Limits (``step_kernel_applies``): one token per sequence, ``[N]`` indices, the pool updated in place,
+value-first, K a power of two <= 256, V a multiple of the tile. Everything else runs on the pool kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kdakit.ops.kda.backend import triton_interpreting
+from kdakit.ops.kda.chunk_common import round_to_bf16, round_to_bf16_if
+from kdakit.ops.kda.recurrent_forward import MAX_HEAD_DIM, token_activations
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+
+# [16, K] tiles on one warp: the fastest of block_v 16/32/64 x 1-2 warps at N = 64 for both state dtypes
+# (results/dev_decode_h200.json); the loop-free prototype was fastest with the same tile at N = 256 too.
+STEP_BLOCK_V = 16
+STEP_NUM_WARPS = 1
+
+
+def step_kernel_applies(*, T: int, cu_seqlens, state_indices, h0, ht, write_final_to_read_row: bool,
+                        state_v_first: bool, K: int, V: int, block_v: int | None) -> bool:
+    """Whether a pool launch is a one-token in-place step that this kernel runs."""
+    bv = STEP_BLOCK_V if block_v is None else block_v
+    return (T == 1 and cu_seqlens is None and state_indices is not None and state_indices.dim() == 1
+            and h0 is not None and h0 is ht and write_final_to_read_row and state_v_first
+            and K == triton.next_power_of_2(K) and K <= MAX_HEAD_DIM and V % bv == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["P"])
+def _pool_step_kernel(
+    q, k, v, g, beta, A_log, dt_bias, pool, state_indices, o,
+    scale, lower_bound, P, row_stride, idx_stride,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    ROUND_STATE: tl.constexpr, ROUND_STORE: tl.constexpr, NATIVE_ROUND: tl.constexpr,
+    L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
+    STATE_V_FIRST: tl.constexpr,
+):
+    tl.static_assert(STATE_V_FIRST, "the step kernel reads value-first pools (step_kernel_applies)")
+    NVT: tl.constexpr = V // BV
+    pid = tl.program_id(0).to(tl.int64)          # (n, hv, v-block), v-block fastest: neighbours share a row
+    i_n = pid // (HV * NVT)
+    i_hv = (pid // NVT) % HV
+    i_v = pid % NVT
+    i_h = i_hv // (HV // H)
+    offs_k = tl.arange(0, K)
+    offs_v = i_v * BV + tl.arange(0, BV)
+
+    # the token's inputs first: they do not wait on the row index, the state does
+    b_q = tl.load(q + (i_n * H + i_h) * K + offs_k).to(tl.float32)                        # [K]
+    b_k = tl.load(k + (i_n * H + i_h) * K + offs_k).to(tl.float32)                        # [K]
+    b_g = tl.load(g + (i_n * HV + i_hv) * K + offs_k).to(tl.float32)                      # [K]
+    b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)                      # [BV]
+    b_beta = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
+    slot = tl.load(state_indices + i_n * idx_stride).to(tl.int64)
+    # -1 marks a padded sequence; out-of-range rows are treated the same (no access outside the pool)
+    valid = (slot >= 0) & (slot < P)
+    offs_s = (i_hv * V + offs_v[:, None]) * K + offs_k[None, :]                           # [BV, K]
+    row = pool + slot * row_stride
+    S = tl.load(row + offs_s, mask=valid, other=0.0, eviction_policy="evict_first").to(tl.float32)
+
+    b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, offs_k < K,
+                                              lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
+    S = S * tl.exp(b_a)[None, :]                                                          # S' = S D
+    b_u = b_beta * (b_v - tl.sum(S * b_k[None, :], axis=1))                               # [BV]
+    S = S + b_u[:, None] * b_k[None, :]
+    if ROUND_STATE:
+        if NATIVE_ROUND:
+            S = S.to(tl.bfloat16).to(tl.float32)  # the GPU's round-to-nearest-even (decode.py says why)
+        else:
+            S = round_to_bf16(S)
+    b_o = scale * tl.sum(S * b_q[None, :], axis=1)                                        # [BV]
+    tl.store(o + (i_n * HV + i_hv) * V + offs_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty))
+    tl.store(row + offs_s, round_to_bf16_if(S, ROUND_STORE).to(pool.dtype.element_ty), mask=valid,
+             cache_modifier=".cs")
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+def launch_pool_step(q, k, v, g, beta, o, opts, *, pool: torch.Tensor, state_indices: torch.Tensor,
+                     round_state: bool, A_log, dt_bias, N: int, block_v: int | None = None,
+                     num_warps: int | None = None) -> None:
+    """One token per sequence, row ``state_indices[n]`` of ``pool`` read and written in place.
+
+    ``opts``: the call's ``KDAOptions`` (its kernel encodings); ``A_log`` / ``dt_bias``: the flat views of the
+    in-kernel gate's parameters (None without it); ``block_v`` / ``num_warps``: benchmarks' sweeps."""
+    if N == 0:
+        return
+    _, _, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BV = STEP_BLOCK_V if block_v is None else block_v
+    dummy = q  # pointer for absent optional tensors; never dereferenced (constexpr flags)
+    _pool_step_kernel[(N * HV * (V // BV),)](
+        q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+        pool, state_indices, o, opts.scale, opts.kernel_lower_bound, pool.shape[0], pool.stride(0),
+        state_indices.stride(0),
+        H=H, HV=HV, K=K, V=V, BV=BV, ROUND_STATE=round_state,
+        ROUND_STORE=pool.dtype == torch.bfloat16 and not round_state, NATIVE_ROUND=not triton_interpreting(),
+        **opts.recurrent_constexprs(), num_warps=STEP_NUM_WARPS if num_warps is None else num_warps,
+    )
