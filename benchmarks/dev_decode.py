@@ -12,6 +12,7 @@ pool and inputs (kda_decode's serving options: l2norm, the safe gate, sigmoid be
   of a small grid. ``native_round``: bf16 rounding by the GPU's cvt instead of the integer recipe the
   interpreter needs; ``tiles`` > 1: a persistent grid where each program walks ``tiles`` state tiles and
   loads the next tile's state while it computes the current one.
+* ``step``: decode_step.py's kernel (what kda_decode runs for this step), launched directly at each config;
 * ``seq``: the same math on a grid where each program takes ``tiles`` consecutive tiles of ONE
   sequence's pool row (one index load, then a contiguous ``tiles * block_v * K`` run of the row), the
   next tile's state requested before the current one is computed, so only a program's first tile
@@ -42,9 +43,10 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_recurrent import _decode_inputs, copy_bandwidth, environment  # noqa: E402
-from timing import graphed, median_ms  # noqa: E402
+from timing import graphed, graphed_steps_ms, median_ms  # noqa: E402
 from kdakit.ops.kda.chunk_common import round_to_bf16  # noqa: E402
-from kdakit.ops.kda.decode import kda_decode  # noqa: E402
+from kdakit.ops.kda.decode import decode_options, kda_decode  # noqa: E402
+from kdakit.ops.kda.decode_step import launch_pool_step  # noqa: E402
 
 DEV = "cuda"
 
@@ -170,15 +172,19 @@ def launch_seq(t, opts, pool, idx, out, block_v, num_warps, native_round, tiles,
         ROUND=pool.dtype == torch.bfloat16, EVICT=evict, num_warps=num_warps)
 
 
+def launch_step(t, opts, pool, idx, out, block_v, num_warps, native_round):
+    """decode_step.py's kernel as kda_decode launches it, at a given tile and warp count (``native_round``
+    unused: the shipped kernel picks its rounding itself)."""
+    kopts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"], **opts)
+    A_log, dt_bias = kopts.kernel_gate_params(t["A_log"], t["dt_bias"])
+    launch_pool_step(t["q"], t["k"], t["v"], t["g"], t["beta"], out, kopts, pool=pool, state_indices=idx,
+                     round_state=pool.dtype == torch.bfloat16, A_log=A_log, dt_bias=dt_bias, N=t["q"].shape[0],
+                     block_v=block_v, num_warps=num_warps)
+
+
 def amortized_us(fn, steps, iters):
-    """GPU time of one ``fn`` with ``steps`` of them in one CUDA graph (the replay's launch spread over them)."""
-    def many():
-        for _ in range(steps):
-            fn()
-    replay, graph = graphed(many)
-    us = 1e3 * median_ms(replay, 5, max(iters // steps, 10)) / steps
-    del graph
-    return us
+    """GPU time of one ``fn`` with ``steps`` of them in one CUDA graph (timing.graphed_steps_ms), in us."""
+    return 1e3 * graphed_steps_ms(fn, steps, iters)
 
 
 def launch_dev(t, opts, pool, idx, out, block_v, num_warps, native_round, tiles):
@@ -233,11 +239,9 @@ def run_cell(N, pool_dtype, variants, iters, amortize, copy_GBps, with_fla):
     for kind, params in variants:
         if kind == "seq" and (H * (V // params["block_v"])) % params["tiles"]:
             continue
-        if params["native_round"] and pool_dtype != torch.bfloat16:
-            continue
-        if kind == "seq" and pool_dtype == torch.bfloat16 and not params["native_round"]:
-            continue  # the per-sequence kernel is timed with the GPU's cast (what a shipped kernel would use)
-        launch = launch_seq if kind == "seq" else launch_dev
+        if kind == "proto" and params["native_round"] and pool_dtype != torch.bfloat16:
+            continue  # an fp32 pool is never rounded: the same kernel as native_round=False
+        launch = {"seq": launch_seq, "proto": launch_dev, "step": launch_step}[kind]
         r = dict(kind=kind, **params)
         p, o = pool0.clone(), torch.empty_like(t["v"])
         try:
@@ -267,14 +271,15 @@ def run_cell(N, pool_dtype, variants, iters, amortize, copy_GBps, with_fla):
 
 
 def variant_grid():
-    """The loop-free kernel's best config of the last run, then the per-sequence grid."""
+    """The loop-free kernel's best config, then the per-sequence kernel and the shipped step kernel
+    (decode_step.py, launched directly) at one tile a program over block_v x num_warps. (The run of
+    2026-12-01 18:06 had tiles 1-8 and both evict settings: tiles > 1 was slower in every cell it
+    finished, and evict helped the one-tile rows; results/dev_decode_h200.json.)"""
     out = [("proto", dict(block_v=16, num_warps=1, native_round=True, tiles=1)),
-           ("proto", dict(block_v=16, num_warps=1, native_round=False, tiles=1))]
-    for bv, w in ((16, 1), (32, 1), (64, 2)):
-        for tiles in (1, 2, 4, 8):
-            for evict in (False, True):
-                for nr in (False, True):
-                    out.append(("seq", dict(block_v=bv, num_warps=w, native_round=nr, tiles=tiles, evict=evict)))
+           ("seq", dict(block_v=16, num_warps=1, native_round=True, tiles=1, evict=False))]
+    for bv, w in ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (64, 2), (64, 4)):
+        out.append(("seq", dict(block_v=bv, num_warps=w, native_round=True, tiles=1, evict=True)))
+        out.append(("step", dict(block_v=bv, num_warps=w, native_round=False)))
     return out
 
 
