@@ -283,6 +283,20 @@ def variant_grid():
     return out
 
 
+def parse_configs(text):
+    out = []
+    for item in text.split(","):
+        kind, cfg = item.split(":")
+        bv, w = (int(x) for x in cfg.split("x"))
+        if kind == "step":
+            out.append(("step", dict(block_v=bv, num_warps=w, native_round=False)))
+        elif kind == "seq":
+            out.append(("seq", dict(block_v=bv, num_warps=w, native_round=True, tiles=1, evict=True)))
+        else:
+            raise ValueError(f"--configs: kind must be step or seq, got {kind!r}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -290,12 +304,15 @@ def main():
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--amortize", type=int, default=20, help="steps per graph for the amortized timing")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--configs", default=None,
+                    help="only these rows, e.g. 'step:8x1,seq:4x1' (kind:block_v x num_warps; seq: one tile, evict)")
     args = ap.parse_args()
+    grid = variant_grid() if args.configs is None else parse_configs(args.configs)
     res = {"env": environment(), "copy": copy_bandwidth(), "cells": []}
     print(f"copy bandwidth {res['copy']['GBps']:.0f} GB/s", flush=True)
     for N in (int(n) for n in args.ns.split(",")):
         for dt in (torch.bfloat16, torch.float32):
-            res["cells"].append(run_cell(N, dt, variant_grid(), args.iters, args.amortize, res["copy"]["GBps"],
+            res["cells"].append(run_cell(N, dt, grid, args.iters, args.amortize, res["copy"]["GBps"],
                                          not args.no_fla))
             json.dump(res, open(args.out, "w"), indent=1)
     print(f"wrote {args.out}")

@@ -14,8 +14,8 @@ bytes (docs/perf_notes.md, "Decode"). This kernel gives each program one ``[BV, 
 with no token loop and no element masks (K a power of two, BV dividing V), requests the token's inputs
 before the row index and the state that depends on it, and reads the state ``evict_first`` and writes it
 with streaming stores, since each byte is touched once. On the H200 at N = 64, HV = 32, K = V = 128
-(results/dev_decode_h200.json, the ``seq`` rows with tiles = 1): bf16 39.8 us a replayed step against
-42.8 us for the loop-free kernel without those changes, fp32 73.3 against 74.1.
+(results/dev_decode_h200.json, one-kernel graph replays): bf16 37.5 us a step against 44.8 us for the pool
+kernel (a same-size copy: 36.6 us), fp32 70.9 against 77.7.
 
 Limits (``step_kernel_applies``): one token per sequence, ``[N]`` indices, the pool updated in place,
 value-first, K a power of two <= 256, V a multiple of the tile. Everything else runs on the pool kernel.
@@ -35,9 +35,11 @@ from kdakit.ops.kda.recurrent_forward import MAX_HEAD_DIM, token_activations
 # Configuration
 # ---------------------------------------------------------------------------------------------
 
-# [16, K] tiles on one warp: the fastest of block_v 16/32/64 x 1-2 warps at N = 64 for both state dtypes
-# (results/dev_decode_h200.json); the loop-free prototype was fastest with the same tile at N = 256 too.
-STEP_BLOCK_V = 16
+# [8, K] tiles on one warp: the fastest of block_v 8-64 x 1-4 warps in three of the four cells of
+# results/dev_decode_h200.json (HV = 32, K = V = 128, one-kernel replays), and 0.3 % behind the best in the
+# fourth: bf16 37.5 / 143.2 us at N = 64 / 256 (16 x 1: 40.3 / 148.1), fp32 70.9 / 274.8 (72.3 / 281.0).
+# More, smaller programs keep more of each SM's loads in flight while others compute.
+STEP_BLOCK_V = 8
 STEP_NUM_WARPS = 1
 
 

@@ -333,6 +333,25 @@ def test_decode_large_batch():
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_kernel_gives_the_pool_kernels_bits(monkeypatch, pool_dtype):
+    """The one-token step kernel (decode_step.py, [8, K] tiles) against the pool kernel it stands in for
+    ([16, K] tiles) at a real shape: the same bits, padded rows included."""
+    import kdakit.ops.kda.decode as decode
+
+    N, P = 64, 80
+    t, kw = _decode_inputs(14, N, 1)
+    pool_a = (0.3 * torch.randn(P, 32, 128, 128, device=DEV)).to(pool_dtype)
+    pool_b = pool_a.clone()
+    idx = torch.randperm(P, device=DEV)[:N].to(torch.int32)
+    idx[::9] = -1
+    o_step = _decode(t, kw, pool_a, idx)
+    monkeypatch.setattr(decode, "step_kernel_applies", lambda **_: False)
+    o_pool = _decode(t, kw, pool_b, idx)
+    assert torch.equal(o_step, o_pool), (o_step.float() - o_pool.float()).abs().max()
+    assert torch.equal(pool_a, pool_b), (pool_a.float() - pool_b.float()).abs().max()
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_decode_multi_token_equals_single_steps_bitwise(pool_dtype):
     t, kw = _decode_inputs(11, 16, 3)
     pool_a = (0.3 * torch.randn(20, 32, 128, 128, device=DEV)).to(pool_dtype)
