@@ -19,6 +19,7 @@ import time
 import torch
 
 from kdakit.ops.kda.decode import decode_launch_config, decode_options, kda_decode, launch_kda_decode
+from kdakit.ops.kda.decode_step import STEP_BLOCK_V, STEP_NUM_WARPS
 
 # Speculative decoding (issue #13 item 9): S tokens per sequence, state_indices [N, S], num_accepted_tokens [N]
 SPEC_S = 4
@@ -26,8 +27,9 @@ SPEC_N = (64, 256)
 SPEC_BYTES = ("the N pool rows read once (row state_indices[n, num_accepted_tokens[n] - 1]) plus the N * S rows "
               "written (row state_indices[n, t] after token t), HV * V * K state elements each; token inputs and "
               "outputs not counted")
-# The launch-config grid of --sweep: around decode.py's decode_launch_config choices (16 x 1, 64 x 2 warps).
-SWEEP_BLOCK_V = (8, 16, 32, 64)
+# The launch-config grid of --sweep: around the defaults (decode_step.py's 8 x 1 for one-token steps, decode.py's
+# decode_launch_config 16 x 1 / 64 x 2 warps for the rest).
+SWEEP_BLOCK_V = (4, 8, 16, 32, 64)
 SWEEP_NUM_WARPS = (1, 2, 4, 8)
 SWEEP_WARMUP = 5
 
@@ -110,8 +112,9 @@ class SweepPlan:
 
 
 def _launch_fn(t, opts, pool, idx, out, block_v, num_warps):
-    """kda_decode's kernel at one launch config: kda_decode's own launcher (``kda_decode`` itself always
-    launches decode.py's ``decode_launch_config``), without kda_decode's validation."""
+    """kda_decode's kernel at one launch config: kda_decode's own launcher (``kda_decode`` itself launches the
+    default config: decode_step.py's for one-token steps, decode.py's ``decode_launch_config`` otherwise),
+    without kda_decode's validation."""
     N = t["q"].shape[0]
     kopts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"], **opts)
     A_log, dt_bias = kopts.kernel_gate_params(t["A_log"], t["dt_bias"])
@@ -149,7 +152,8 @@ def sweep_decode(t, opts, pool, idx, ref_o, ref_pool, copy_GBps: float, plan: Sw
     start = time.monotonic()
     rows = []
     N, HV, V = t["v"].shape[0], t["v"].shape[2], t["v"].shape[3]
-    default = decode_launch_config(N, t["v"].shape[1], HV, V)
+    # one-token steps with [N] indices run on decode_step.py's kernel, everything else on the pool kernel
+    default = (STEP_BLOCK_V, STEP_NUM_WARPS) if t["v"].shape[1] == 1 else decode_launch_config(N, t["v"].shape[1], HV, V)
     try:
         for block_v, num_warps in sweep_configs(V):
             row = {"block_v": block_v, "num_warps": num_warps,

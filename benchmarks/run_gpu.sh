@@ -53,8 +53,9 @@
 #   flalayer  FLA's layer alone in bench_layer.py at LAYER_TOKENS, the whole stage for its first call (its
 #             autotuning took over 175 s on 2026-12-01; the tuned configs are packed for the next machine)
 #   devdecode the decode-step prototypes beside kda_decode, a copy and FLA (dev_decode.py; DEV_DECODE_ARGS)
-#   layer     kdakit's KimiDeltaAttention against FLA's (needs .whl/layer): the GPU comparison test,
-#             bench_layer.py at LAYER_TOKENS (131072) and examples/train_tiny.py --device cuda (TRAIN_TINY_ARGS)
+#   layer     kdakit's KimiDeltaAttention against FLA's (needs .whl/layer): examples/train_tiny.py --device cuda
+#             (TRAIN_TINY_ARGS; LAYER_TRAIN_S, default half the stage), the GPU comparison test (LAYER_TEST_S,
+#             default 120) and bench_layer.py at LAYER_TOKENS (131072) with the rest
 #   tune      launch-config sweep of the windowed backward (tune_windowed.py); tunecompile only
 #             compiles its variants (parallel processes)
 #   flawarm   FLA's autotuning only, in the background, one process per head count of FLA_SHAPES;
@@ -273,20 +274,30 @@ stage_devdecode() {
 }
 
 stage_layer() {
-    # kdakit's layer against FLA's: the GPU test that compares them, bench_layer at LAYER_TOKENS (both
-    # backends, a fresh process each) and train_tiny --device cuda (both layers, same weights and data).
-    local lim=$1 t0 r=0
+    # kdakit's layer against FLA's. train_tiny --device cuda first (both layers, same weights and data): FLA's
+    # model tunes FLA's kernels for its config in its first steps, alone on the GPU (the step time it reports is
+    # the median after 3 warm-up steps); then the GPU test comparing the layers (train_tiny's layer config, so
+    # cached by then); then bench_layer at LAYER_TOKENS (a fresh process per backend, FLA's with what is left).
+    local lim=$1 t0 r=0 rest
     t0=$(date +%s)
-    KDAKIT_TEST_TIER=gpu timeout -k 5 $(( lim / 6 )) python3 -m pytest -q -m gpu -rs --timeout=120 \
-        tests/gpu/nn/test_nn_layer_gpu.py -k against_fla 2>&1 | tee "$OUT/layer_vs_fla_test.log" | tail -n 5
-    [ "${PIPESTATUS[0]}" -eq 0 ] || r=1
-    timeout -k 5 $(( lim / 3 )) python3 benchmarks/bench_layer.py --tokens "${LAYER_TOKENS:-131072}" \
-        --backends kdakit,fla --timeout $(( lim / 6 )) --out "$OUT/layer.json" 2>&1 | tee -a "$OUT/run.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || r=1
     # shellcheck disable=SC2086
-    timeout -k 5 $(( lim - ($(date +%s) - t0) - 5 )) python3 examples/train_tiny.py --device cuda --quiet \
+    timeout -k 5 "${LAYER_TRAIN_S:-$(( lim / 2 ))}" python3 examples/train_tiny.py --device cuda --quiet \
         --out "$OUT/train_tiny" ${TRAIN_TINY_ARGS:-} 2>&1 | tee "$OUT/train_tiny.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || r=1
+    rest=$(( lim - ($(date +%s) - t0) - 5 ))
+    KDAKIT_TEST_TIER=gpu timeout -k 5 "$(( rest < ${LAYER_TEST_S:-120} ? rest : ${LAYER_TEST_S:-120} ))" \
+        python3 -m pytest -q -m gpu -rs --timeout=300 tests/gpu/nn/test_nn_layer_gpu.py -k against_fla 2>&1 \
+        | tee "$OUT/layer_vs_fla_test.log" | tail -n 5
+    [ "${PIPESTATUS[0]}" -eq 0 ] || r=1
+    rest=$(( lim - ($(date +%s) - t0) - 5 ))
+    if [ "$rest" -gt 30 ]; then
+        timeout -k 5 "$rest" python3 benchmarks/bench_layer.py --tokens "${LAYER_TOKENS:-131072}" \
+            --backends kdakit,fla --timeout $(( rest - 10 )) --out "$OUT/layer.json" 2>&1 | tee -a "$OUT/run.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || r=1
+    else
+        echo "layer: bench_layer skipped, ${rest} s left" | tee -a "$OUT/run.log"
+        r=1
+    fi
     return "$r"
 }
 
