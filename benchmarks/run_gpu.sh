@@ -49,7 +49,7 @@
 #             test, with pytest-timeout, which the device has; a test's first Triton compile of new variants
 #             counts, and at 60 s the 2026-12-01 run lost six tests to it or to failures it could not tell
 #             apart), one line per test so a cut run shows how far it got
-#   recurrent decode and recurrent fwd+bwd benchmark (bench_recurrent.py)
+#   recurrent decode and recurrent fwd+bwd benchmark (bench_recurrent.py; RECURRENT_ARGS)
 #   flalayer  FLA's layer alone in bench_layer.py at LAYER_TOKENS, the whole stage for its first call (its
 #             autotuning took over 175 s on 2026-12-01; the tuned configs are packed for the next machine)
 #   devdecode the decode-step prototypes beside kda_decode, a copy and FLA (dev_decode.py; DEV_DECODE_ARGS)
@@ -256,7 +256,9 @@ stage_tests() {
 }
 
 stage_recurrent() {
-    timeout -k 5 "$1" python3 benchmarks/bench_recurrent.py --out "$OUT/recurrent_bench.json" 2>&1 | tee -a "$OUT/run.log"
+    # shellcheck disable=SC2086
+    timeout -k 5 "$1" python3 benchmarks/bench_recurrent.py --out "$OUT/recurrent_bench.json" ${RECURRENT_ARGS:-} 2>&1 \
+        | tee -a "$OUT/run.log"
     return "${PIPESTATUS[0]}"
 }
 
