@@ -17,6 +17,9 @@ with streaming stores, since each byte is touched once. On the H200 at N = 64, H
 (results/dev_decode_h200.json, one-kernel graph replays): bf16 37.5 us a step against 44.8 us for the pool
 kernel (a same-size copy: 36.6 us), fp32 70.9 against 77.7.
 
+PyTorch twin: ``decode.pool_recurrent_reference``, the pool kernel's, whose semantics this kernel keeps
+(tests/ops/kda/test_decode_step.py checks the two kernels' bits against each other).
+
 Limits (``step_kernel_applies``): one token per sequence, ``[N]`` indices, the pool updated in place,
 value-first, K a power of two <= 256, V a multiple of the tile. Everything else runs on the pool kernel.
 """
