@@ -382,6 +382,7 @@ def write_curve(out_dir: str, losses: list[float], chance: float, title: str) ->
 #   width 512, 4 x 128 (this layer config), 16 episodes (1K tokens), 60 steps: lr 5e-3 0.136 fp32, 0.152 bf16
 #     (97% held-out); lr 1e-2 stayed at chance (3.51); 4 pairs, lr 5e-3: 0.022. With the cuda schedule (150
 #     steps, lr 5e-3, 30 warm-up), bf16, only 8 episodes (512 tokens): 0.008, 100% held-out, off chance ~step 45
+#     (seed 1: 0.014, 99%)
 #   stayed at chance over 150 steps (width 64): 16 pairs per 64-token episode (3.47 vs 3.47; vocab 256: 4.86 vs
 #     4.85), 8 pairs with vocab 256 (4.86 vs 4.85), 8 x 128-token episodes of 16 pairs at lr 2e-2 (3.46).
 #   So the cuda run has the episode shape, lr and schedule that learned, with 64-128x their episodes per step.
