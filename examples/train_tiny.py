@@ -16,18 +16,28 @@ state can carry it from the pairs to the queries: a model that ignores it cannot
 ``log(number of values)`` nats (printed beside ``log(vocab)``). The curve shows the usual plateau at
 chance, then the drop once the layers learn to write keys to values and read them back.
 
+Episodes (``--episodes E``, the cuda default): each sequence is ``E`` such tasks back to back, ``seq // E``
+tokens each: a separator token (``SEPARATOR``), the episode's own pairs (a fresh mapping), its queries. The
+state is never reset, and keys recur across episodes with new values, so only the current episode's binding
+is right: the state has to overwrite or forget the old ones along the whole sequence. A batch-1 step then
+sees ``E`` mappings instead of one: single-episode MQAR at batch 1 stayed at chance on the H200 (150 steps at
+64K tokens, so 150 mappings), and the CPU probes listed above ``DEVICE_DEFAULTS`` leave the plateau sooner the
+more episodes a step holds.
+
 CPU (the default): about a minute on one thread, seeded and deterministic (same numbers every run
 on one machine); writes the loss curve as CSV (``--out``) and, when matplotlib is importable, as
 PNG (otherwise ``pip install -e '.[plot]'``).
 
-GPU (``--device cuda``): trains at long context (``--seq 65536``, bf16, head dim 128) and reports the
+GPU (``--device cuda``): trains at long context (one sequence of 65536 tokens per step: 1024 episodes of
+64 tokens, 8 pairs each, vocab 64; width 512, 4 heads x 128, bf16, lr 5e-3, 150 steps) and reports the
 median step time and peak memory (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``),
 then the same for the model built on FLA's ``fla.layers.kda.KimiDeltaAttention`` (same config,
-same initial weights, same batches) when ``fla`` is importable (a clear message otherwise).
+same initial weights, same batches) when ``fla`` is importable (a clear message otherwise). The CPU
+probes behind these defaults are listed above ``DEVICE_DEFAULTS``.
 
     python examples/train_tiny.py                      # CPU, ~1 min
     kdakit train-demo                                  # the same
-    python examples/train_tiny.py --device cuda --seq 65536 --steps 30
+    python examples/train_tiny.py --device cuda        # 64K tokens, 150 steps
 """
 
 from __future__ import annotations
@@ -46,18 +56,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 FILLER = 0  # token id of the filler between query slots; keys and values never use it
+SEPARATOR = 1  # --episodes > 1: the first token of every episode (keys then start at FIRST_EPISODE_KEY)
+FIRST_EPISODE_KEY = 2
 
 
 # ---------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------
 
-def mqar_batch(batch: int, seq: int, vocab: int, pairs: int, queries: int, generator: torch.Generator):
+def mqar_batch(batch: int, seq: int, vocab: int, pairs: int, queries: int, generator: torch.Generator,
+               first_key: int = 1):
     """One MQAR batch: ``(tokens [B, T], targets [B, T])``, targets -100 except at query keys.
 
-    Keys come from ``[1, vocab // 2)``, values from ``[vocab // 2, vocab)``.
+    Keys come from ``[first_key, vocab // 2)``, values from ``[vocab // 2, vocab)``.
     """
-    n_keys = vocab // 2 - 1
+    n_keys = vocab // 2 - first_key
     if pairs > n_keys:
         raise ValueError(f"{pairs} pairs need as many distinct keys; vocab {vocab} has {n_keys}")
     slots = (seq - 2 * pairs) // 2
@@ -65,7 +78,7 @@ def mqar_batch(batch: int, seq: int, vocab: int, pairs: int, queries: int, gener
         raise ValueError(f"seq {seq} holds {pairs} pairs and at most {max(slots, 0)} query slots, asked for {queries} "
                          "queries")
     g = generator
-    keys = torch.rand(batch, n_keys, generator=g).argsort(dim=1)[:, :pairs] + 1            # distinct per row
+    keys = torch.rand(batch, n_keys, generator=g).argsort(dim=1)[:, :pairs] + first_key     # distinct per row
     values = torch.randint(vocab // 2, vocab, (batch, pairs), generator=g)
     tokens = torch.full((batch, seq), FILLER, dtype=torch.long)
     targets = torch.full((batch, seq), -100, dtype=torch.long)
@@ -79,6 +92,46 @@ def mqar_batch(batch: int, seq: int, vocab: int, pairs: int, queries: int, gener
     tokens.scatter_(1, pos + 1, qv)
     targets.scatter_(1, pos, qv)
     return tokens, targets
+
+
+def episode_len(seq: int, episodes: int) -> int:
+    """Tokens per episode: ``seq // episodes`` (the last ``seq % episodes`` tokens are filler)."""
+    return seq // episodes
+
+
+def episode_slots(seq: int, episodes: int, pairs: int) -> int:
+    """Two-token query slots per episode: after its separator and its pairs."""
+    return (episode_len(seq, episodes) - 1 - 2 * pairs) // 2
+
+
+def mqar_episodes_batch(batch: int, seq: int, vocab: int, pairs: int, queries: int, episodes: int,
+                        generator: torch.Generator):
+    """``episodes`` independent MQAR episodes back to back in each sequence: ``(tokens, targets)`` as
+    ``mqar_batch``. Episode ``e`` holds the tokens ``[e * L, (e + 1) * L)``, ``L = seq // episodes``: the
+    ``SEPARATOR`` token, then its own ``pairs`` key-value pairs (a fresh random mapping: keys distinct within
+    the episode, from ``[FIRST_EPISODE_KEY, vocab // 2)``), then ``queries`` two-token query slots of those
+    keys (filler elsewhere). Keys recur across episodes with new values, so only the current episode's binding
+    is right: the state has to overwrite (or forget) the old ones. The ``seq % episodes`` tokens after the last
+    episode are filler."""
+    length = episode_len(seq, episodes)
+    if length < 1 + 2 * pairs + 2 * queries:
+        raise ValueError(f"an episode of {length} tokens (seq {seq} / {episodes} episodes) holds a separator, "
+                         f"{pairs} pairs and at most {max(0, episode_slots(seq, episodes, pairs))} query slots, "
+                         f"asked for {queries} queries")
+    tok, tgt = mqar_batch(batch * episodes, length - 1, vocab, pairs, queries, generator, first_key=FIRST_EPISODE_KEY)
+    sep = torch.full((batch * episodes, 1), SEPARATOR, dtype=torch.long)
+    tokens = torch.full((batch, seq), FILLER, dtype=torch.long)
+    targets = torch.full((batch, seq), -100, dtype=torch.long)
+    tokens[:, :episodes * length] = torch.cat([sep, tok], 1).view(batch, episodes * length)
+    targets[:, :episodes * length] = torch.cat([torch.full_like(sep, -100), tgt], 1).view(batch, episodes * length)
+    return tokens, targets
+
+
+def make_batch(args, generator: torch.Generator):
+    """The batch of ``args``: single-episode MQAR (``--episodes 1``) or ``args.episodes`` episodes per sequence."""
+    if args.episodes == 1:
+        return mqar_batch(args.batch, args.seq, args.vocab, args.pairs, args.queries, generator)
+    return mqar_episodes_batch(args.batch, args.seq, args.vocab, args.pairs, args.queries, args.episodes, generator)
 
 
 def chance_loss(vocab: int) -> float:
@@ -221,7 +274,7 @@ def train(model: nn.Module, args, device: torch.device, label: str = "kdakit", q
     losses, times = [], []
     model.train()
     for step in range(args.steps):
-        tokens, targets = mqar_batch(args.batch, args.seq, args.vocab, args.pairs, args.queries, gen)
+        tokens, targets = make_batch(args, gen)
         tokens, targets = tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, warmup)
@@ -251,7 +304,7 @@ def evaluate(model: nn.Module, args, device: torch.device, batches: int = 4) -> 
     model.eval()
     total, correct, count = 0.0, 0, 0
     for _ in range(batches):
-        tokens, targets = mqar_batch(args.batch, args.seq, args.vocab, args.pairs, args.queries, gen)
+        tokens, targets = make_batch(args, gen)
         tokens, targets = tokens.to(device), targets.to(device)
         where = targets != -100
         logits, want = model(tokens, where).float(), targets[where]
@@ -314,14 +367,31 @@ def write_curve(out_dir: str, losses: list[float], chance: float, title: str) ->
 
 # The defaults that --device picks for the options left unset. CPU: about a minute on one core (the ops are
 # small, so one thread is as fast and far steadier on a shared machine); two 64-token chunks, so the state
-# crosses a chunk boundary. CUDA: long context, a wider model (head dim 128), the pairs followed by 32640 query
-# slots over 64K tokens. (1024 pairs with 1024 queries, over 30 steps, stayed at chance on the H200:
-# benchmarks/results/train_tiny_cuda_h200_9878ce6.log.)
+# crosses a chunk boundary; one episode (8 sequences of 16 pairs and 48 queries) per row.
+#
+# CUDA: one sequence of 64K tokens per step, cut into 1024 episodes of 64 tokens (a separator, 8 pairs of the
+# 30 keys of vocabulary 64, 23 queries), so a step sees 1024 fresh mappings and the state runs through all of
+# them: keys recur every few episodes with new values, only the current binding is right. The layer config
+# (width 512, 4 heads x 128, bf16) is the one FLA's autotune cache is warmed for; only the task and lr changed.
+# History: single-episode MQAR at batch 1 sees one mapping per step and stayed at chance on the H200 (256 pairs,
+# vocab 1024, lr 3e-3, 150 steps: 6.275 vs 6.238, benchmarks/results/train_tiny_cuda_h200.log; 1024 pairs over
+# 30 steps: train_tiny_cuda_h200_9878ce6.log), and so did its CPU analog at 2K tokens. The episode task, CPU, one
+# thread, batch 1, 64-token episodes of 8 pairs, vocab 64 (chance log 32 = 3.47; final = mean of the last tenth):
+#   width 64, 2 x 32, lr 1e-2: 32 episodes (2K tokens) 150 steps 0.076 (98% held-out, leaves chance ~step 45);
+#     100 steps: 32 episodes 1.48, 64 episodes (4K tokens) 0.30: more episodes per step, fewer steps on the plateau
+#   width 512, 4 x 128 (this layer config), 16 episodes (1K tokens), 60 steps: lr 5e-3 0.136 fp32, 0.152 bf16
+#     (97% held-out); lr 1e-2 stayed at chance (3.51); 4 pairs, lr 5e-3: 0.022. With the cuda schedule (150
+#     steps, lr 5e-3, 30 warm-up), bf16, only 8 episodes (512 tokens): 0.008, 100% held-out, off chance ~step 45
+#     (seed 1: 0.014, 99%)
+#   stayed at chance over 150 steps (width 64): 16 pairs per 64-token episode (3.47 vs 3.47; vocab 256: 4.86 vs
+#     4.85), 8 pairs with vocab 256 (4.86 vs 4.85), 8 x 128-token episodes of 16 pairs at lr 2e-2 (3.46).
+#   So the cuda run has the episode shape, lr and schedule that learned, with 64-128x their episodes per step.
+EPISODE_TOKENS = 64  # the cuda default --episodes is seq // EPISODE_TOKENS
 DEVICE_DEFAULTS = {
-    "cpu": dict(seq=128, batch=8, steps=300, vocab=64, pairs=16, queries="fill", dim=64, heads=2, head_dim=32,
-                dtype="fp32", threads=1, lr=1e-2),
-    "cuda": dict(seq=65536, batch=1, steps=150, vocab=1024, pairs=256, queries="fill", dim=512, heads=4,
-                 head_dim=128, dtype="bf16", threads=None, lr=3e-3),
+    "cpu": dict(seq=128, batch=8, steps=300, vocab=64, episodes=1, pairs=16, queries="fill", dim=64, heads=2,
+                head_dim=32, dtype="fp32", threads=1, lr=1e-2),
+    "cuda": dict(seq=65536, batch=1, steps=150, vocab=64, episodes="per64", pairs=8, queries="fill", dim=512,
+                 heads=4, head_dim=128, dtype="bf16", threads=None, lr=5e-3),
 }
 
 
@@ -331,7 +401,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     def a(name, help, key=None, **kw):
         key = key or name[2:].replace("-", "_")
         if key in cpu:
-            shown = {"fill": "all that fit after the pairs", None: "torch's default"}
+            shown = {"fill": "all that fit after the pairs", None: "torch's default",
+                     "per64": f"seq / {EPISODE_TOKENS}, {EPISODE_TOKENS}-token episodes"}
             help = f"{help} (default: CPU {shown.get(cpu[key], cpu[key])}, cuda {shown.get(cuda[key], cuda[key])})"
             kw["default"] = None
         parser.add_argument(name, help=help, **kw)
@@ -341,8 +412,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--batch", "sequences per step", type=int)
     a("--steps", "optimizer steps", type=int)
     a("--vocab", "vocabulary: keys in [1, vocab/2), values in [vocab/2, vocab)", type=int)
-    a("--pairs", "key-value pairs per sequence", type=int)
-    a("--queries", "queries per sequence", type=int)
+    a("--episodes", "MQAR episodes per sequence, each a separator, its own pairs and its queries (1: one "
+                    "episode, no separator)", type=int)
+    a("--pairs", "key-value pairs per episode", type=int)
+    a("--queries", "queries per episode", type=int)
     a("--dim", "model width", type=int)
     a("--heads", "KDA heads", type=int)
     a("--head-dim", "KDA head dim", type=int)
@@ -364,8 +437,13 @@ def resolve(args) -> argparse.Namespace:
     for key, value in DEVICE_DEFAULTS[args.device].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.episodes == "per64":
+        args.episodes = max(1, args.seq // EPISODE_TOKENS)
+    if not args.episodes > 0:
+        raise ValueError(f"--episodes must be positive, got {args.episodes}")
     if args.queries == "fill":  # every two-token slot after the pairs holds a query
-        args.queries = (args.seq - 2 * args.pairs) // 2
+        args.queries = ((args.seq - 2 * args.pairs) // 2 if args.episodes == 1
+                        else episode_slots(args.seq, args.episodes, args.pairs))
     for key in ("seq", "batch", "steps", "vocab", "pairs", "queries", "dim", "layers", "heads", "head_dim",
                 "mlp_ratio", "lr"):
         if not getattr(args, key) > 0:
@@ -374,9 +452,17 @@ def resolve(args) -> argparse.Namespace:
         raise ValueError(f"--threads must be positive, got {args.threads}")
     if args.vocab < 4:
         raise ValueError(f"--vocab must be at least 4, got {args.vocab}")
-    if args.pairs > args.vocab // 2 - 1:
-        raise ValueError(f"--pairs {args.pairs} needs as many distinct keys; --vocab {args.vocab} has {args.vocab // 2 - 1}")
-    if args.queries > (args.seq - 2 * args.pairs) // 2:
+    first_key = 1 if args.episodes == 1 else FIRST_EPISODE_KEY
+    if args.pairs > args.vocab // 2 - first_key:
+        raise ValueError(f"--pairs {args.pairs} needs as many distinct keys; --vocab {args.vocab} has "
+                         f"{args.vocab // 2 - first_key}")
+    if args.episodes > 1:
+        if args.queries > episode_slots(args.seq, args.episodes, args.pairs):
+            raise ValueError(f"an episode of {episode_len(args.seq, args.episodes)} tokens (--seq {args.seq} / "
+                             f"--episodes {args.episodes}) holds a separator, {args.pairs} pairs and at most "
+                             f"{max(0, episode_slots(args.seq, args.episodes, args.pairs))} two-token query slots, "
+                             f"asked for --queries {args.queries}")
+    elif args.queries > (args.seq - 2 * args.pairs) // 2:
         raise ValueError(f"--seq {args.seq} holds {args.pairs} pairs and at most {max(0, (args.seq - 2 * args.pairs) // 2)} "
                          f"two-token query slots, asked for --queries {args.queries}")
     return args
@@ -443,7 +529,10 @@ def _run(args) -> dict:
     initial = {k: v.detach().clone() for k, v in _cast(probe, dtype).state_dict().items()}
     n_params = sum(p.numel() for p in probe.parameters())
     del probe
-    print(f"train_tiny: MQAR, {args.pairs} key-value pairs + {args.queries} queries in {args.seq} tokens, vocab "
+    episodes = (f"{args.episodes} episodes of {episode_len(args.seq, args.episodes)} tokens (a separator, "
+                f"{args.pairs} key-value pairs + {args.queries} queries each)" if args.episodes > 1
+                else f"{args.pairs} key-value pairs + {args.queries} queries")
+    print(f"train_tiny: MQAR, {episodes} in {args.seq} tokens, vocab "
           f"{args.vocab}; {args.layers} x kdakit KimiDeltaAttention (dim {args.dim}, {args.heads} heads x "
           f"{args.head_dim}), {n_params / 1e6:.2f} M parameters, {args.dtype} on {device}"
           f"{f', {torch.get_num_threads()} thread(s)' if device.type == 'cpu' else ''}; batch {args.batch}, "
@@ -456,7 +545,8 @@ def _run(args) -> dict:
           f"chance = log({n_values} values) = {chance:.3f} (log(vocab) = {math.log(args.vocab):.3f})")
     csv_path, png_path = write_curve(
         args.out, res["losses"], chance,
-        f"kdakit KDA, MQAR {args.pairs} pairs in {args.seq} tokens, {args.layers} layers d{args.dim}, seed {args.seed}")
+        f"kdakit KDA, MQAR {args.pairs} pairs{f' x {args.episodes} episodes' if args.episodes > 1 else ''} in {args.seq} "
+        f"tokens, {args.layers} layers d{args.dim}, seed {args.seed}")
     print(f"train_tiny: wrote {csv_path}" + (f" and {png_path}" if png_path else ""), flush=True)
     summary = dict(final_loss=final, eval_loss=eval_loss, eval_acc=eval_acc, chance=chance, losses=res["losses"],
                    wall_s=res["wall_s"], csv=csv_path, png=png_path)

@@ -121,3 +121,56 @@ def test_fla_comparison_path_runs_with_a_stand_in_layer(monkeypatch, capsys):
     assert results[0]["losses"] == results[1]["losses"]
     out = capsys.readouterr().out
     assert "peak allocated" in out and "\nfla " in out
+
+
+def test_mqar_episodes_layout():
+    """--episodes: every episode is a separator, its own pairs (keys distinct within it) and queries of those
+    keys; the loss targets are at its query keys only and hold its own binding, never an older episode's."""
+    tt = _load()
+    batch, seq, vocab, pairs, queries, episodes = 2, 4 * 40 + 3, 20, 6, 9, 4  # 40-token episodes, 3 filler
+    tokens, targets = tt.mqar_episodes_batch(batch, seq, vocab, pairs, queries, episodes,
+                                             torch.Generator().manual_seed(3))
+    assert tokens.shape == targets.shape == (batch, seq)
+    rebound = 0
+    for row, tgt in zip(tokens.tolist(), targets.tolist()):
+        assert row[160:] == [tt.FILLER] * 3 and tgt[160:] == [-100] * 3
+        seen = {}
+        for e in range(episodes):
+            ep, et = row[40 * e:40 * e + 40], tgt[40 * e:40 * e + 40]
+            assert ep[0] == tt.SEPARATOR and et[0] == -100
+            keys, values = ep[1:13:2], ep[2:13:2]
+            assert len(set(keys)) == pairs and all(tt.FIRST_EPISODE_KEY <= k < vocab // 2 for k in keys)
+            assert all(vocab // 2 <= v < vocab for v in values)
+            table = dict(zip(keys, values))
+            asked = [t for t in range(40) if et[t] != -100]
+            assert len(asked) == queries and all(t >= 13 and (t - 13) % 2 == 0 for t in asked)
+            for t in asked:
+                assert ep[t] in table and et[t] == table[ep[t]] == ep[t + 1]
+            others = [t for t in range(13, 40) if t not in asked and t - 1 not in asked]
+            assert all(ep[t] == tt.FILLER for t in others)
+            rebound += sum(k in seen and seen[k] != v for k, v in table.items())
+            seen.update(table)
+    assert rebound > 0  # keys recur across episodes with new values (9 keys, 6 per episode)
+    assert (targets != -100).sum() == batch * episodes * queries
+
+
+def test_cuda_defaults_are_long_context_episodes():
+    """The --device cuda defaults (resolved without a GPU): one 64K-token sequence per step, 1024 episodes of
+    64 tokens (8 pairs, 23 queries), the width-512 / 4 x 128 layer; episodes that cannot fit are refused."""
+    tt = _load()
+    args = tt.resolve(_args(tt, ["--device", "cuda"]))
+    assert (args.seq, args.batch, args.episodes, args.pairs, args.queries, args.vocab) == (65536, 1, 1024, 8, 23, 64)
+    assert (args.dim, args.heads, args.head_dim, args.layers, args.mlp_ratio, args.dtype) == (512, 4, 128, 2, 2, "bf16")
+    assert args.steps * 0.58 < 100  # ~0.58 s per 64K-token step on the H200
+    assert tt.resolve(_args(tt, ["--device", "cuda", "--seq", "8192"])).episodes == 128
+    with pytest.raises(ValueError, match="holds a separator, 8 pairs and at most 23 two-token query slots"):
+        tt.resolve(_args(tt, ["--seq", "1024", "--batch", "1", "--episodes", "16", "--pairs", "8", "--queries", "24"]))
+
+
+def test_episode_training_runs_and_is_deterministic(tmp_path, capsys):
+    tt = _load()
+    argv = ["--seq", "256", "--batch", "1", "--episodes", "4", "--pairs", "8", "--steps", "3", "--quiet"]
+    a = tt.run(_args(tt, argv + ["--out", str(tmp_path / "a")]))
+    b = tt.run(_args(tt, argv + ["--out", str(tmp_path / "b")]))
+    assert a["losses"] == b["losses"] and len(a["losses"]) == 3 and all(math.isfinite(x) for x in a["losses"])
+    assert "4 episodes of 64 tokens (a separator, 8 key-value pairs + 23 queries each)" in capsys.readouterr().out
