@@ -262,18 +262,21 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train(model: nn.Module, args, device: torch.device, label: str = "kdakit", quiet: bool = False):
-    """Train ``model`` for ``args.steps`` steps; returns ``(losses, step_times_s)``."""
+def train(model: nn.Module, args, device: torch.device, label: str = "kdakit", quiet: bool = False,
+          steps: int | None = None):
+    """Train ``model`` for the first ``steps`` (default all ``args.steps``) steps of the ``args.steps``-step
+    schedule; returns ``(losses, step_times_s)``."""
     gen = torch.Generator().manual_seed(args.seed + 1)  # the data stream (same for every impl)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not getattr(p, "_no_weight_decay", False)]
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and not getattr(p, "_no_weight_decay", False))]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": rest, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98))
     warmup = max(1, min(args.warmup, args.steps // 5))
-    progress = None if quiet else Progress(args.steps, label=f"train ({label})")
+    steps = args.steps if steps is None else steps
+    progress = None if quiet else Progress(steps, label=f"train ({label})")
     losses, times = [], []
     model.train()
-    for step in range(args.steps):
+    for step in range(steps):
         tokens, targets = make_batch(args, gen)
         tokens, targets = tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         for group in opt.param_groups:
@@ -395,6 +398,11 @@ DEVICE_DEFAULTS = {
 }
 
 
+# Steps of the FLA comparison on cuda: its median step time (after 3 warm-up steps, the first of which tunes FLA's
+# kernels for the config) and its peaks settle within a few steps; the full run would double the GPU time.
+FLA_STEPS = 40
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cpu, cuda = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
 
@@ -429,6 +437,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", "seed of the weights and of the data (default 0)", type=int, default=0)
     a("--out", "folder for loss_curve.csv / loss_curve.png (default out/train_tiny)", default=os.path.join("out", "train_tiny"))
     a("--no-fla", "cuda: skip the comparison with FLA's layer", action="store_true")
+    a("--fla-steps", f"cuda: steps of the model on FLA's layer, the first of the same schedule and data (default "
+      f"{FLA_STEPS}: enough for its step time and peak memory; its loss is compared with kdakit's at that step)",
+      type=int, default=FLA_STEPS)
     a("--quiet", "no progress line", action="store_true")
 
 
@@ -476,8 +487,10 @@ def _tail_mean(losses: list[float]) -> float:
     return statistics.fmean(losses[-max(1, len(losses) // 10):])
 
 
-def _measure(args, impl: str, device: torch.device, dtype: torch.dtype, state=None, quiet=False) -> dict:
-    """Build (with ``state`` loaded when given), train and measure one model; returns a result dict."""
+def _measure(args, impl: str, device: torch.device, dtype: torch.dtype, state=None, quiet=False,
+             steps: int | None = None) -> dict:
+    """Build (with ``state`` loaded when given), train (``steps`` steps: see ``train``) and measure one model;
+    returns a result dict."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -485,7 +498,7 @@ def _measure(args, impl: str, device: torch.device, dtype: torch.dtype, state=No
     if state is not None:
         model.load_state_dict(state)  # the same initial weights as the first model
     t0 = time.perf_counter()
-    losses, times = train(model, args, device, label=impl, quiet=quiet)
+    losses, times = train(model, args, device, label=impl, quiet=quiet, steps=steps)
     res = dict(impl=impl, model=model, losses=losses, wall_s=time.perf_counter() - t0,
                step_s=statistics.median(times[min(3, len(times) - 1):]))  # the first steps compile / autotune
     cuda = device.type == "cuda"
@@ -567,7 +580,8 @@ def _compare_fla(args, device, dtype, res, initial) -> list[dict]:
                   f"{exc}); install FLA (pip install flash-linear-attention, which holds fla.layers) to compare")
         else:
             try:
-                fla_res = _measure(args, "fla", device, dtype, state=initial, quiet=args.quiet)
+                fla_res = _measure(args, "fla", device, dtype, state=initial, quiet=args.quiet,
+                                   steps=min(args.fla_steps, args.steps))
                 fla_res.pop("model")
                 results.append(fla_res)
             except Exception as exc:
@@ -575,10 +589,15 @@ def _compare_fla(args, device, dtype, res, initial) -> list[dict]:
     print(f"\ntrain_tiny: B={args.batch} T={args.seq} {args.dtype}, {args.layers} layers d{args.dim} "
           f"({args.heads} heads x {args.head_dim}), same initial weights and data; median step time after 3 warm-up "
           f"steps, peaks over the whole run (weights, AdamW state, activations)")
-    print(f"{'layer':8} {'step time':>11} {'peak allocated':>15} {'peak reserved':>14} {'final loss':>11}")
+    common = min(len(r["losses"]) for r in results)  # each loss at the last step all the runs reached
+    head = f"loss @ {common}"
+    print(f"{'layer':8} {'steps':>6} {'step time':>11} {'peak allocated':>15} {'peak reserved':>14} {head:>12} "
+          f"{'final loss':>11}")
     for r in results:
-        print(f"{r['impl']:8} {r['step_s'] * 1e3:8.1f} ms {_gib(r['allocated']):>15} {_gib(r['reserved']):>14} "
-              f"{_tail_mean(r['losses']):11.3f}")
+        r["loss_at_common_step"] = statistics.fmean(r["losses"][max(0, common - 5):common])
+        print(f"{r['impl']:8} {len(r['losses']):6d} {r['step_s'] * 1e3:8.1f} ms {_gib(r['allocated']):>15} "
+              f"{_gib(r['reserved']):>14} {r['loss_at_common_step']:12.3f} {_tail_mean(r['losses']):11.3f}")
+    print(f"(loss @ {common}: the mean of steps {max(0, common - 5) + 1}-{common}, the same data for every run)")
     return results
 
 

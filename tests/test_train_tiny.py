@@ -120,7 +120,14 @@ def test_fla_comparison_path_runs_with_a_stand_in_layer(monkeypatch, capsys):
     assert [r["impl"] for r in results] == ["kdakit", "fla"]
     assert results[0]["losses"] == results[1]["losses"]
     out = capsys.readouterr().out
-    assert "peak allocated" in out and "\nfla " in out
+    assert "peak allocated" in out and "\nfla " in out and "loss @ 4" in out
+
+    # --fla-steps: the FLA model runs the first steps of the same schedule and data, compared at its last step
+    args.fla_steps = 2
+    results = tt._compare_fla(args, cpu, torch.float32, first, tt.build_model(args).state_dict())
+    assert len(results[1]["losses"]) == 2 and results[1]["losses"] == results[0]["losses"][:2]
+    assert results[0]["loss_at_common_step"] == results[1]["loss_at_common_step"]
+    assert "loss @ 2" in capsys.readouterr().out
 
 
 def test_mqar_episodes_layout():
