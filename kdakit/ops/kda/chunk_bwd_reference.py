@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kdakit.ops.kda.preprocess import L2NORM_EPS, SOFTPLUS_THRESHOLD, kda_beta, kda_gate, l2norm
+from kdakit.ops.kda.preprocess import SOFTPLUS_THRESHOLD, kda_beta, kda_gate, l2norm, l2norm_rstd
 
 CHUNK = 16
 
@@ -168,8 +168,8 @@ def chunk_state_grad(q, k, a, b, dO, dSn, scale: float, exact: bool):
 # ---------------------------------------------------------------- token transforms --------------
 
 def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """Backward of ``y = x * rsqrt(sum x^2 + eps)``: ``r (dy - y sum(dy y))``."""
-    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+    """Backward of ``y = l2norm(x) = x r``, ``r = l2norm_rstd(x)``: ``r (dy - y sum(dy y))``."""
+    r = l2norm_rstd(x)
     y = x * r
     return r * (dy - y * (dy * y).sum(-1, keepdim=True))
 

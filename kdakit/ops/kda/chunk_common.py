@@ -176,9 +176,16 @@ def store_matrix(base, x, stride0, stride1, n0, n1, off1, B0: tl.constexpr, B1: 
 
 
 @triton.jit
+def l2norm_rstd(sum_sq):
+    """The l2norm's scale ``1 / sqrt(sum x^2 + 1e-6)`` from a row's sum of squares (any shape): the one form
+    of every kernel, chunk and recurrent, forward and backward (preprocess.l2norm_rstd is its PyTorch twin)."""
+    return 1.0 / tl.sqrt(sum_sq + L2NORM_EPS_TL)
+
+
+@triton.jit
 def l2norm_rows(x):
-    """Row-wise ``x * rsqrt(sum x^2 + 1e-6)``. x ``[BR, BC]`` -> (y ``[BR, BC]``, rstd ``[BR]``)."""
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + L2NORM_EPS_TL)  # [BR]
+    """Row-wise ``x / sqrt(sum x^2 + 1e-6)``. x ``[BR, BC]`` -> (y ``[BR, BC]``, rstd ``[BR]``)."""
+    rstd = l2norm_rstd(tl.sum(x * x, axis=1))  # [BR]
     return x * rstd[:, None], rstd
 
 

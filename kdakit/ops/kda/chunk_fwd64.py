@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import (
-    L2NORM_EPS_TL,
+    l2norm_rstd,
     load_matrix,
     load_rows,
     locate_chunk,
@@ -203,8 +203,8 @@ def chunk_kda_fwd64_pair_kernel(
             xk = load_rows(k_base, t0, seq_len, H * K, k0, K, C, BK)
             sq += tl.sum(xq * xq, axis=1)
             sk += tl.sum(xk * xk, axis=1)
-        rq = 1.0 / tl.sqrt(sq + L2NORM_EPS_TL)
-        rk = 1.0 / tl.sqrt(sk + L2NORM_EPS_TL)
+        rq = l2norm_rstd(sq)
+        rk = l2norm_rstd(sk)
     bt, _ = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
 
     Aqk = tl.zeros([C, C], dtype=tl.float32)

@@ -33,11 +33,11 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import (
-    L2NORM_EPS_TL,
     LOG_DECAY_FLOOR_TL,
     beta_activation,
     gate_log_decay,
     l2norm_rows_bwd,
+    l2norm_rstd,
     load_row_scalars,
     load_rows,
     pairwise_exact,
@@ -383,7 +383,7 @@ def load_unit_rows(base, t0, n_rows, stride_row, K, BR: tl.constexpr, BK: tl.con
     """(x normalized, x raw, rstd ``[BR]``) of q or k rows; rstd = 1 without l2norm."""
     x = load_rows(base, t0, n_rows, stride_row, 0, K, BR, BK)
     if USE_L2NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + L2NORM_EPS_TL)
+        rstd = l2norm_rstd(tl.sum(x * x, axis=1))
     else:
         rstd = tl.zeros([BR], dtype=tl.float32) + 1.0
     return x * rstd[:, None], rstd
