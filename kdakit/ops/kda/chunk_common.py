@@ -10,7 +10,7 @@ the kernels compute in fp32 anyway). Notation used in the shape comments:
 * ``BKS`` a slice of the key channels (EXACT pairwise path);
 * ``BV`` a block of value channels (any power of two >= 16; nothing here assumes BV == V).
 
-Chunk math (docs/spec.md §2.9, design note): ``G = cumsum(a)`` over the chunk rows,
+Chunk math (docs/spec.md §2.9): ``G = cumsum(a)`` over the chunk rows,
 ``E[i, j, c] = exp(G[i, c] - G[j, c])`` for ``j <= i``. Two ways to form the pairwise sums
 ``A[i, j] = sum_c x_i[c] y_j[c] E[i, j, c]``:
 
@@ -427,6 +427,17 @@ def unit_lower_inverse_doubling(A, C: tl.constexpr):
     N8 = tl.dot(N4, N4, input_precision="ieee")
     P = P + tl.dot(P, N8, input_precision="ieee")
     return P
+
+
+@triton.jit
+def beta_lower_inverse(b, A, C: tl.constexpr, INV_DOUBLING: tl.constexpr):
+    """The chunk's ``T^-1 = (I + diag(b) A)^-1`` (b ``[C]``, A strictly lower ``[C, C]``) by doubling products
+    (INV_DOUBLING) or forward substitution: the backward kernels' one form. Returns ``[C, C]``."""
+    if INV_DOUBLING:
+        Tinv = unit_lower_inverse_doubling(b[:, None] * A, C)
+    else:
+        Tinv = unit_lower_inverse(b[:, None] * A, C)
+    return Tinv
 
 
 # ---------------------------------------------------------------------------------------
