@@ -105,7 +105,7 @@ def chunk_forward(q, k, v, a, b, S, scale: float, exact: bool):
 
 
 def chunk_backward(q, k, v, a, b, S, dO, dSn, scale: float, exact: bool):
-    """Backward of one chunk (the design note's formulas).
+    """Backward of one chunk (the formulas of the module docstring).
 
     Returns ``(dq, dk, dv, da, db, dS)``: gradients of the transformed q, k, the values, the
     log-decay a, the effective beta, and of the state before the chunk.
