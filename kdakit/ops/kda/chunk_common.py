@@ -255,13 +255,15 @@ def gate_log_decay_bwd(da, x, expA, lower_bound, GATE: tl.constexpr):
 @triton.jit
 def gate_log_decay_bwd_floored(da, x, a, expA, lower_bound, GATE: tl.constexpr):
     """gate_log_decay_bwd of a log-decay clamped to ``>= LOG_DECAY_FLOOR`` on load (the 64-token pipeline's
-    backward): ``a`` is the clamped value, and where the clamp holds the gradient is 0. The lower-bound gate
-    (``a >= lower_bound >= -5``) never reaches the floor."""
+    backward): ``a`` is the clamped value (0 on padded entries), and where the clamp holds the gradient is 0.
+    The lower-bound gate (``a >= lower_bound >= -5``) never reaches the floor."""
     dx, dlog = gate_log_decay_bwd(da, x, expA, lower_bound, GATE)
     if GATE == 1:
         live = a > LOG_DECAY_FLOOR_TL
         dx = tl.where(live, dx, 0.0)
-        dlog = tl.where(live, dlog, 0.0)
+        # d a / d A_log = a: the given a, which is the unclamped one wherever live, and 0 on padded entries
+        # (gate_log_decay_bwd's recomputed a is not: padded entries see the gate of dt_bias alone)
+        dlog = tl.where(live, da * a, 0.0)
     elif GATE == 0:
         dx = tl.where(a > LOG_DECAY_FLOOR_TL, dx, 0.0)
     return dx, dlog
