@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kdakit.ops.kda.naive import naive_recurrent_kda
+
 
 @dataclass(frozen=True)
 class ErrorReport:
@@ -193,8 +195,6 @@ def compare_with_naive(fn, inputs: dict, limits, *, seed: int | None = None, **e
     ``limits``: one float for all, or a name -> limit map covering every output. Returns
     ``fn``'s results (``run_kda``'s dict).
     """
-    from kdakit.ops.kda.naive import naive_recurrent_kda
-
     # float64 tokens are already the reference precision: the reference then sees the very same
     # leaves (a bf16 initial state stays bf16, so both sides round its gradient alike).
     exact = inputs["tensors"]["q"].dtype == torch.float64

@@ -59,7 +59,6 @@ KNOWN_FUNCTION_LEVEL: set[tuple[str, str]] = {
     ("kdakit.memory.model", "kdakit.ops.kda.chunk_reference"),
     ("kdakit.memory.model", "kdakit.ops.kda.plan"),
     ("kdakit.memory.measure_worker", "kdakit"),
-    ("kdakit.testing", "kdakit.ops.kda.naive"),
 }
 
 

@@ -47,23 +47,24 @@ import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import (
     beta_activation_bwd,
+    gate_log_decay_bwd_floored,
     load_matrix,
     load_rows,
-    locate_chunk,
     round_to_bf16_if,
     store_matrix,
     store_rows,
 )
 from kdakit.ops.kda.chunk_prep64 import (
-    locate_sequence,
     EXACT_KEY_SLICE,
     Chunk64Options,
     bias_row,
     chunk64_tables,
+    chunk_program,
     gate_scalar,
     load_rows_t,
     load_step_operands,
     run_prep,
+    sequence_program,
     state_recurrence,
     state_row,
     state_strides,
@@ -72,7 +73,6 @@ from kdakit.ops.kda.chunk_tiles import (
     CHUNK,
     SUB,
     dot_operand,
-    gate_bwd,
     gate_from_preact,
     gate_preact,
     l2norm_bwd,
@@ -145,13 +145,8 @@ def chunk_kda_bwd_states_kernel(
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
     DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr,
 ):
-    i_nh = tl.program_id(0)
-    i_v = tl.program_id(1)
-    role = tl.program_id(2)
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    bos, seq_len, c0 = locate_sequence(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN)
-    v0 = i_v * BV
+    # role 0: the states forward, 1: the state gradients backward
+    i_n, i_hv, v0, role, bos, seq_len, c0 = sequence_program(cu_seqlens, chunk_offsets, T, HV, NTS, BV, IS_VARLEN)
     v_base = v + (bos * HV + i_hv) * V
     b_base = beta + bos * HV + i_hv
     w_base = w + (bos * HV + i_hv) * K
@@ -200,10 +195,7 @@ def chunk_kda_bwd_state_grads_kernel(
     final) and everything through the inverse; writes fp32 intermediates for kernel 3b: the inter-chunk
     parts of dq, dk and the decay gradient ``inter [3, B, T, HV, K]``, dAqk and dAkk ``dA2 [2, B, T, HV, C]``,
     the beta gradient ``db_buf [B, T, HV]`` and d exp(g_C) ``dgc_buf [chunks, HV, K]``."""
-    i_t = tl.program_id(0).to(tl.int64)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
+    i_t, i_hv, i_h, bos, seq_len, t0 = chunk_program(cu_seqlens, chunk_table, T, NTS, H, HV, C, IS_VARLEN)
     q_base = q + (bos * H + i_h) * K
     k_base = k + (bos * H + i_h) * K
     rows = tl.arange(0, C)
@@ -328,7 +320,7 @@ def _pair_head_grads(
     # the gate's input and output again (not held across the pairwise terms)
     x = gate_preact(g_base, bias_ptr, t0, seq_len, HV * K, 0, K, stride_bias, C, BK, HAS_BIAS)  # [C, BK]
     a = gate_from_preact(x, t0, seq_len, 0, K, expA, lower_bound, C, BK, GATE)
-    dx, dlog = gate_bwd(da, x, a, expA, lower_bound, GATE)
+    dx, dlog = gate_log_decay_bwd_floored(da, x, a, expA, lower_bound, GATE)
     store_rows(dg + tok_k, dx, t0, seq_len, HV * K, 0, K, C, BK)
     if HAS_A_LOG:
         tl.store(dA_part + i_t * HV + i_hv, tl.sum(tl.sum(dlog, axis=1), axis=0))
@@ -355,9 +347,7 @@ def chunk_kda_bwd_pair_grads_kernel(
 ):
     """Kernel 3b, grid ``(chunks, H)``: from kernel 3a's intermediates, the pairwise terms and every token
     transform's gradient; a group of HV/H value heads shares its q/k head (dq, dk summed here, written once)."""
-    i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
+    i_t, i_h, _, bos, seq_len, t0 = chunk_program(cu_seqlens, chunk_table, T, NTS, 1, 1, C, IS_VARLEN)
     q_base = q + (bos * H + i_h) * K
     k_base = k + (bos * H + i_h) * K
     qn, rq = load_unit_rows(q_base, t0, seq_len, H * K, K, C, BK, USE_L2NORM)  # [C, BK], [C]

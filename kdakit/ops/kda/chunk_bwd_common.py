@@ -11,7 +11,7 @@ float64 twin checked against autograd)::
     forward:  O = scale ((q Gam) S + Aqk V'),  S_next = gC S + kd^T V'
     backward: dAqk = scale dO V'^T, dV' = scale Aqk^T dO + kd dS_next,
               dS = gC dS_next + scale (q Gam)^T dO - W^T dV', then dW, dU, dTinv -> dAraw, and the
-              pairwise, decay and transform terms (l2norm, gate, beta sigmoid) of the design note.
+              pairwise, decay and transform terms (l2norm, gate, beta sigmoid), derived in chunk_bwd_reference.py.
 
 Pairwise matrices: SAFE (``safe_gate``: a >= -5) factors E through a mid-chunk reference and uses
 ``tl.dot``; EXACT (any gate) forms ``exp(G_i - G_j)`` for one column j at a time on ``[C, BK]``
@@ -31,17 +31,16 @@ import triton.language as tl
 
 from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.ops.kda.chunk_common import (
+    beta_lower_inverse,
     causal_mask,
-    round_to_bf16,
     l2norm_rows,
     load_chunk_beta,
     load_chunk_gate,
     load_rows,
+    round_to_bf16,
     row_of,
     safe_gate_factors,
     seq_bounds,
-    unit_lower_inverse,
-    unit_lower_inverse_doubling,
 )
 CHUNK = 16
 MAX_HEAD_DIM = 128
@@ -212,10 +211,7 @@ def state_step(S, k_base, v_base, g_base, b_base, bias_ptr, t0, n_rows, s_qk, s_
         Araw = tl.where(causal_mask(C, False), Araw, 0.0)  # [C, C]
     else:
         Araw = exact_kk(k, G, C)
-    if INV_DOUBLING:
-        Tinv = unit_lower_inverse_doubling(b[:, None] * Araw, C)  # [C, C]
-    else:
-        Tinv = unit_lower_inverse(b[:, None] * Araw, C)
+    Tinv = beta_lower_inverse(b, Araw, C, INV_DOUBLING)  # [C, C]
     W = tl.dot(Tinv, b[:, None] * k * tl.exp(G), input_precision=DOT_PREC)  # [C, BK]
     U = tl.dot(Tinv, b[:, None] * v, input_precision=DOT_PREC)  # [C, BV]
     Vp = U - tl.dot(W, S, input_precision=DOT_PREC)  # [C, BV]

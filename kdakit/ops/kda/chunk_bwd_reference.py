@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kdakit.ops.kda.preprocess import L2NORM_EPS, SOFTPLUS_THRESHOLD, kda_beta, kda_gate, l2norm
+from kdakit.ops.kda.preprocess import SOFTPLUS_THRESHOLD, kda_beta, kda_gate, l2norm, l2norm_rstd
 
 CHUNK = 16
 
@@ -105,7 +105,7 @@ def chunk_forward(q, k, v, a, b, S, scale: float, exact: bool):
 
 
 def chunk_backward(q, k, v, a, b, S, dO, dSn, scale: float, exact: bool):
-    """Backward of one chunk (the design note's formulas).
+    """Backward of one chunk (the formulas of the module docstring).
 
     Returns ``(dq, dk, dv, da, db, dS)``: gradients of the transformed q, k, the values, the
     log-decay a, the effective beta, and of the state before the chunk.
@@ -168,8 +168,8 @@ def chunk_state_grad(q, k, a, b, dO, dSn, scale: float, exact: bool):
 # ---------------------------------------------------------------- token transforms --------------
 
 def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """Backward of ``y = x * rsqrt(sum x^2 + eps)``: ``r (dy - y sum(dy y))``."""
-    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+    """Backward of ``y = l2norm(x) = x r``, ``r = l2norm_rstd(x)``: ``r (dy - y sum(dy y))``."""
+    r = l2norm_rstd(x)
     y = x * r
     return r * (dy - y * (dy * y).sum(-1, keepdim=True))
 

@@ -24,7 +24,7 @@ Two facts make most of the work parallel: the state-gradient recurrence
   K=V=128, bf16, L=2048, Lw=256: window starts 44.0 MB, S_c 50.3 MB, dS 50.3 MB, carry 6.3 MB,
   parameter partials 0.8 MB = 151.8 MB (+ checkpoints 25.2 MB saved by the forward); the same
   151.8 MB at 1x128K H96 (checkpoints 402.7 MB); 202.4 MB at 8x8K H16 and 1x8K H128 (+33.6 MB).
-  Measured (H200, 1x8K H96, bf16, SPEC §3 flags; ``benchmarks/tune_windowed.py``, docs/perf_notes.md):
+  Measured (H200, 1x8K H96, bf16, docs/spec.md §3 flags; ``benchmarks/tune_windowed.py``, docs/perf_notes.md):
   window starts 4.3 ms, window states 12.6 ms, gradients 19.4 ms (~36 ms in all, vs 61 ms for the
   earlier one-program-per-(sequence, head) streaming kernel it replaced). The prediction had been
   ~4.7 ms: every stage's chunk step costs 5-10x the estimate because each sequential step and each
@@ -68,6 +68,7 @@ from kdakit.ops.kda.plan import lean_workspace_allocations, uses_lean_states
 from kdakit.ops.kda.chunk_common import (
     beta_activation,
     beta_activation_bwd,
+    beta_lower_inverse,
     block_size,
     causal_mask,
     gate_log_decay,
@@ -85,8 +86,6 @@ from kdakit.ops.kda.chunk_common import (
     store_matrix,
     store_row_scalars,
     store_rows,
-    unit_lower_inverse,
-    unit_lower_inverse_doubling,
 )
 
 
@@ -124,10 +123,7 @@ def _dstate_step(dS, q_base, k_base, g_base, b_base, bias_ptr, do_base, t0, n_ro
                                                      input_precision=GRAD_PREC), 0.0)
     else:
         Aqk, Akk = exact_qk_kk(q, k, G, C)
-    if INV_DOUBLING:
-        Tinv = unit_lower_inverse_doubling(b[:, None] * Akk, C)  # [C, C]
-    else:
-        Tinv = unit_lower_inverse(b[:, None] * Akk, C)
+    Tinv = beta_lower_inverse(b, Akk, C, INV_DOUBLING)  # [C, C]
     W = tl.dot(Tinv, b[:, None] * k * Gam, input_precision=DOT_PREC)  # [C, BK]
     kd = k * tl.exp(GC[None, :] - G)  # [C, BK]
     sdo = scale * do
@@ -286,10 +282,7 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
         Akk = tl.where(causal_mask(C, False), tl.dot(kr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
     else:
         Aqk, Akk = exact_qk_kk(q, k, G, C)
-    if INV_DOUBLING:
-        Tinv = unit_lower_inverse_doubling(b[:, None] * Akk, C)  # [C, C]
-    else:
-        Tinv = unit_lower_inverse(b[:, None] * Akk, C)
+    Tinv = beta_lower_inverse(b, Akk, C, INV_DOUBLING)  # [C, C]
     TinvT = tl.trans(Tinv)
     X = b[:, None] * k * Gam  # [C, BK]
     W = tl.dot(Tinv, X, input_precision=DOT_PREC)  # [C, BK]

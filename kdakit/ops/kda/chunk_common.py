@@ -10,7 +10,7 @@ the kernels compute in fp32 anyway). Notation used in the shape comments:
 * ``BKS`` a slice of the key channels (EXACT pairwise path);
 * ``BV`` a block of value channels (any power of two >= 16; nothing here assumes BV == V).
 
-Chunk math (docs/spec.md §2.9, design note): ``G = cumsum(a)`` over the chunk rows,
+Chunk math (docs/spec.md §2.9): ``G = cumsum(a)`` over the chunk rows,
 ``E[i, j, c] = exp(G[i, c] - G[j, c])`` for ``j <= i``. Two ways to form the pairwise sums
 ``A[i, j] = sum_c x_i[c] y_j[c] E[i, j, c]``:
 
@@ -176,9 +176,16 @@ def store_matrix(base, x, stride0, stride1, n0, n1, off1, B0: tl.constexpr, B1: 
 
 
 @triton.jit
+def l2norm_rstd(sum_sq):
+    """The l2norm's scale ``1 / sqrt(sum x^2 + 1e-6)`` from a row's sum of squares (any shape): the one form
+    of every kernel, chunk and recurrent, forward and backward (preprocess.l2norm_rstd is its PyTorch twin)."""
+    return 1.0 / tl.sqrt(sum_sq + L2NORM_EPS_TL)
+
+
+@triton.jit
 def l2norm_rows(x):
-    """Row-wise ``x * rsqrt(sum x^2 + 1e-6)``. x ``[BR, BC]`` -> (y ``[BR, BC]``, rstd ``[BR]``)."""
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + L2NORM_EPS_TL)  # [BR]
+    """Row-wise ``x / sqrt(sum x^2 + 1e-6)``. x ``[BR, BC]`` -> (y ``[BR, BC]``, rstd ``[BR]``)."""
+    rstd = l2norm_rstd(tl.sum(x * x, axis=1))  # [BR]
     return x * rstd[:, None], rstd
 
 
@@ -242,6 +249,23 @@ def gate_log_decay_bwd(da, x, expA, lower_bound, GATE: tl.constexpr):
     else:
         dx = da
         dlog = da * 0.0
+    return dx, dlog
+
+
+@triton.jit
+def gate_log_decay_bwd_floored(da, x, a, expA, lower_bound, GATE: tl.constexpr):
+    """gate_log_decay_bwd of a log-decay clamped to ``>= LOG_DECAY_FLOOR`` on load (the 64-token pipeline's
+    backward): ``a`` is the clamped value (0 on padded entries), and where the clamp holds the gradient is 0.
+    The lower-bound gate (``a >= lower_bound >= -5``) never reaches the floor."""
+    dx, dlog = gate_log_decay_bwd(da, x, expA, lower_bound, GATE)
+    if GATE == 1:
+        live = a > LOG_DECAY_FLOOR_TL
+        dx = tl.where(live, dx, 0.0)
+        # d a / d A_log = a: the given a, which is the unclamped one wherever live, and 0 on padded entries
+        # (gate_log_decay_bwd's recomputed a is not: padded entries see the gate of dt_bias alone)
+        dlog = tl.where(live, da * a, 0.0)
+    elif GATE == 0:
+        dx = tl.where(a > LOG_DECAY_FLOOR_TL, dx, 0.0)
     return dx, dlog
 
 
@@ -405,6 +429,17 @@ def unit_lower_inverse_doubling(A, C: tl.constexpr):
     N8 = tl.dot(N4, N4, input_precision="ieee")
     P = P + tl.dot(P, N8, input_precision="ieee")
     return P
+
+
+@triton.jit
+def beta_lower_inverse(b, A, C: tl.constexpr, INV_DOUBLING: tl.constexpr):
+    """The chunk's ``T^-1 = (I + diag(b) A)^-1`` (b ``[C]``, A strictly lower ``[C, C]``) by doubling products
+    (INV_DOUBLING) or forward substitution: the backward kernels' one form. Returns ``[C, C]``."""
+    if INV_DOUBLING:
+        Tinv = unit_lower_inverse_doubling(b[:, None] * A, C)
+    else:
+        Tinv = unit_lower_inverse(b[:, None] * A, C)
+    return Tinv
 
 
 # ---------------------------------------------------------------------------------------

@@ -44,10 +44,9 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import (
-    L2NORM_EPS_TL,
+    l2norm_rstd,
     load_matrix,
     load_rows,
-    locate_chunk,
     round_to_bf16_if,
     store_matrix,
     store_rows,
@@ -57,9 +56,10 @@ from kdakit.ops.kda.chunk_prep64 import (
     Chunk64Options,
     bias_row,
     chunk64_tables,
+    chunk_program,
     gate_scalar,
     load_rows_t,
-    locate_sequence,
+    sequence_program,
     state_row,
     state_strides,
 )
@@ -69,9 +69,9 @@ from kdakit.ops.kda.chunk_tiles import (
     dot_operand,
     load_beta,
     load_gate,
-    mm_exact,
     pairwise_diag_exact,
     pairwise_qk_kk_block,
+    unit_lower_inverse_offdiag,
 )
 
 # H200, 1x8K H96: the three stages fused in one kernel took 5.0 ms at 8 warps (5.5 at 4), the inverse 1.5 of it
@@ -120,7 +120,7 @@ def unit_lower_inverse_in_place(slot, C: tl.constexpr, SUBC: tl.constexpr):
 
     Diagonal blocks: X = T - I by forward substitution, ``X[s] = -L[s] - L[s, :s] X[:s]``, the four blocks
     side by side on rows loaded from the slot (SUBC - 1 dependent steps). Off-diagonal blocks:
-    ``T_IJ = -T_II sum_{J <= M < I} L_IM T_MJ`` with exact fp32 dots."""
+    ``T_IJ = -T_II sum_{J <= M < I} L_IM T_MJ`` with exact fp32 dots (chunk_tiles.unit_lower_inverse_offdiag)."""
     r = tl.arange(0, SUBC)
     X0 = tl.zeros([SUBC, SUBC], dtype=tl.float32)
     X1 = tl.zeros([SUBC, SUBC], dtype=tl.float32)
@@ -143,12 +143,7 @@ def unit_lower_inverse_in_place(slot, C: tl.constexpr, SUBC: tl.constexpr):
     L30 = _load_block(slot, 3, 0, C, SUBC)
     L31 = _load_block(slot, 3, 1, C, SUBC)
     L32 = _load_block(slot, 3, 2, C, SUBC)
-    T10 = -mm_exact(T11, mm_exact(L10, T00))
-    T21 = -mm_exact(T22, mm_exact(L21, T11))
-    T32 = -mm_exact(T33, mm_exact(L32, T22))
-    T20 = -mm_exact(T22, mm_exact(L20, T00) + mm_exact(L21, T10))
-    T31 = -mm_exact(T33, mm_exact(L31, T11) + mm_exact(L32, T21))
-    T30 = -mm_exact(T33, mm_exact(L30, T00) + mm_exact(L31, T10) + mm_exact(L32, T20))
+    T10, T20, T21, T30, T31, T32 = unit_lower_inverse_offdiag(T00, T11, T22, T33, L10, L20, L21, L30, L31, L32)
     tl.debug_barrier()  # every thread has read L before any block of it is overwritten
     _store_block(slot, T00, 0, 0, C, SUBC)
     _store_block(slot, T10, 1, 0, C, SUBC)
@@ -180,10 +175,7 @@ def chunk_kda_fwd64_pair_kernel(
     """One (chunk, value head), stage 1 of 3: qΓ, kd, exp(g_C), Aqk, beta k Γ (into W's slot) and beta Akk
     (fp32, into the chunk's scratch slot). BK: key block of the tiles; BKF: the padded K (the EXACT diagonal
     blocks' width)."""
-    i_t = tl.program_id(0).to(tl.int64)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
+    i_t, i_hv, i_h, bos, seq_len, t0 = chunk_program(cu_seqlens, chunk_table, T, NTS, H, HV, C, IS_VARLEN)
     q_base = q + (bos * H + i_h) * K
     k_base = k + (bos * H + i_h) * K
     g_base = g + (bos * HV + i_hv) * K
@@ -203,8 +195,8 @@ def chunk_kda_fwd64_pair_kernel(
             xk = load_rows(k_base, t0, seq_len, H * K, k0, K, C, BK)
             sq += tl.sum(xq * xq, axis=1)
             sk += tl.sum(xk * xk, axis=1)
-        rq = 1.0 / tl.sqrt(sq + L2NORM_EPS_TL)
-        rk = 1.0 / tl.sqrt(sk + L2NORM_EPS_TL)
+        rq = l2norm_rstd(sq)
+        rk = l2norm_rstd(sk)
     bt, _ = load_beta(beta + bos * HV + i_hv, t0, seq_len, HV, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
 
     Aqk = tl.zeros([C, C], dtype=tl.float32)
@@ -259,9 +251,7 @@ def chunk_kda_fwd64_wu_kernel(
 ):
     """Stage 3 of 3, one (chunk, value head): ``W = Tinv (beta k Γ)`` over its slot and ``U = Tinv (beta v)``
     into ``u`` (o's buffer)."""
-    i_t = tl.program_id(0).to(tl.int64)
-    i_hv = tl.program_id(1)
-    bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
+    i_t, i_hv, _, bos, seq_len, t0 = chunk_program(cu_seqlens, chunk_table, T, NTS, 1, 1, C, IS_VARLEN)
     tok_k = (bos * HV + i_hv) * K
     tok_v = (bos * HV + i_hv) * V
     rows = tl.arange(0, C)
@@ -288,12 +278,7 @@ def chunk_kda_fwd64_state_kernel(
     EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr,
 ):
     """One (sequence, value head, value block): the state walk; o (holding U on entry) is overwritten."""
-    i_nh = tl.program_id(0)
-    i_v = tl.program_id(1)
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    bos, seq_len, c0 = locate_sequence(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN)
-    v0 = i_v * BV
+    i_n, i_hv, v0, _, bos, seq_len, c0 = sequence_program(cu_seqlens, chunk_offsets, T, HV, NTS, BV, IS_VARLEN)
     w_base = w + (bos * HV + i_hv) * K
     kd_base = kd + (bos * HV + i_hv) * K
     qg_base = qg + (bos * HV + i_hv) * K

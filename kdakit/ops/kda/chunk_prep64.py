@@ -75,6 +75,32 @@ def locate_sequence(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN: tl.conste
 
 
 @triton.jit
+def chunk_program(cu_seqlens, chunk_table, T, NTS, H, HV, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """This program's place on a chunk grid ``(chunks, heads)``: (global chunk i_t int64, the head on axis 1,
+    its q/k head ``head // (HV // H)``, the sequence's first token bos, its length, the chunk's first row t0).
+    H, HV: q/k and value heads on a grid of value heads; 1, 1 on a grid of q/k heads."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_head = tl.program_id(1)
+    i_h = i_head // (HV // H)
+    bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
+    return i_t, i_head, i_h, bos, seq_len, t0
+
+
+@triton.jit
+def sequence_program(cu_seqlens, chunk_offsets, T, HV, NTS, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """This program's place on a state-walk grid ``(N * HV, cdiv(V, BV)[, roles])``: (sequence i_n, value head,
+    the value block's first column v0, the index on axis 2 (the role, where the grid has roles), bos, the
+    sequence's length, its first chunk's global index c0)."""
+    i_nh = tl.program_id(0)
+    i_v = tl.program_id(1)
+    role = tl.program_id(2)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    bos, seq_len, c0 = locate_sequence(i_n, cu_seqlens, chunk_offsets, T, NTS, IS_VARLEN)
+    return i_n, i_hv, i_v * BV, role, bos, seq_len, c0
+
+
+@triton.jit
 def gate_scalar(A_log, i_hv, stride_alog, HAS_A_LOG: tl.constexpr):
     """exp(A_log[hv]) (1 without A_log)."""
     if HAS_A_LOG:
@@ -194,10 +220,7 @@ def chunk_kda_prep64_kernel(
 ):
     """One (chunk, value head): the inverse, W, kd, exp(g_C), Aqk, Akk and P (into the chunk's state-gradient
     slot)."""
-    i_t = tl.program_id(0).to(tl.int64)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    bos, seq_len, t0 = locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C, IS_VARLEN)
+    i_t, i_hv, i_h, bos, seq_len, t0 = chunk_program(cu_seqlens, chunk_table, T, NTS, H, HV, C, IS_VARLEN)
     q_base = q + (bos * H + i_h) * K
     k_base = k + (bos * H + i_h) * K
     g_base = g + (bos * HV + i_hv) * K

@@ -33,11 +33,11 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import (
-    L2NORM_EPS_TL,
     LOG_DECAY_FLOOR_TL,
     beta_activation,
     gate_log_decay,
     l2norm_rows_bwd,
+    l2norm_rstd,
     load_row_scalars,
     load_rows,
     pairwise_exact,
@@ -351,25 +351,6 @@ def load_gate(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, expA, lower_bound
 
 
 @triton.jit
-def gate_bwd(da, x, a, expA, lower_bound, GATE: tl.constexpr):
-    """(dx, dA_log element terms) of ``a = gate(x)``; ``a`` is the clamped log-decay (the clamp at
-    -110 has zero gradient)."""
-    if GATE == 1:
-        live = a > LOG_DECAY_FLOOR_TL
-        dx = tl.where(live, da * (-expA) * tl.sigmoid(x), 0.0)
-        dlog = tl.where(live, da * a, 0.0)
-    elif GATE == 2:
-        s = tl.sigmoid(expA * x)
-        ds = da * lower_bound * s * (1.0 - s)
-        dx = ds * expA
-        dlog = ds * expA * x
-    else:
-        dx = tl.where(a > LOG_DECAY_FLOOR_TL, da, 0.0)
-        dlog = da * 0.0
-    return dx, dlog
-
-
-@triton.jit
 def load_beta(b_base, t0, n_rows, stride_b, BR: tl.constexpr, BETA_SIGMOID: tl.constexpr,
               NEG_EIGVAL: tl.constexpr):
     """(activated beta, raw beta) ``[BR]``, both 0 on padded rows."""
@@ -383,7 +364,7 @@ def load_unit_rows(base, t0, n_rows, stride_row, K, BR: tl.constexpr, BK: tl.con
     """(x normalized, x raw, rstd ``[BR]``) of q or k rows; rstd = 1 without l2norm."""
     x = load_rows(base, t0, n_rows, stride_row, 0, K, BR, BK)
     if USE_L2NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + L2NORM_EPS_TL)
+        rstd = l2norm_rstd(tl.sum(x * x, axis=1))
     else:
         rstd = tl.zeros([BR], dtype=tl.float32) + 1.0
     return x * rstd[:, None], rstd
@@ -439,6 +420,20 @@ def mm_exact(a, b):
 
 
 @triton.jit
+def unit_lower_inverse_offdiag(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32):
+    """The blocks below the diagonal of ``(I + A)^-1``, A strictly lower of 4 x 4 sub-chunk blocks ``[SUBC, SUBC]``,
+    from the diagonal blocks' inverses ``T_II`` and A's blocks below the diagonal:
+    ``T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ`` (exact fp32 dots). -> (T10, T20, T21, T30, T31, T32)"""
+    T10 = -mm_exact(T11, mm_exact(A10, T00))
+    T21 = -mm_exact(T22, mm_exact(A21, T11))
+    T32 = -mm_exact(T33, mm_exact(A32, T22))
+    T20 = -mm_exact(T22, mm_exact(A20, T00) + mm_exact(A21, T10))
+    T31 = -mm_exact(T33, mm_exact(A31, T11) + mm_exact(A32, T21))
+    T30 = -mm_exact(T33, mm_exact(A30, T00) + mm_exact(A31, T10) + mm_exact(A32, T20))
+    return T10, T20, T21, T30, T31, T32
+
+
+@triton.jit
 def store_unit_lower_inverse(A, out_base, t0, n_rows, stride_row, C: tl.constexpr, SUBC: tl.constexpr,
                              EMULATE_BF16: tl.constexpr):
     """Store ``(I + A)^-1`` (A strictly lower ``[C, C]``, C = 4 SUBC) into rows ``t0 + i`` columns j of
@@ -459,13 +454,7 @@ def store_unit_lower_inverse(A, out_base, t0, n_rows, stride_row, C: tl.constexp
     A30 = _block(M4, 3, 0, NB)
     A31 = _block(M4, 3, 1, NB)
     A32 = _block(M4, 3, 2, NB)
-    # T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ
-    T10 = -mm_exact(T11, mm_exact(A10, T00))
-    T21 = -mm_exact(T22, mm_exact(A21, T11))
-    T32 = -mm_exact(T33, mm_exact(A32, T22))
-    T20 = -mm_exact(T22, mm_exact(A20, T00) + mm_exact(A21, T10))
-    T31 = -mm_exact(T33, mm_exact(A31, T11) + mm_exact(A32, T21))
-    T30 = -mm_exact(T33, mm_exact(A30, T00) + mm_exact(A31, T10) + mm_exact(A32, T20))
+    T10, T20, T21, T30, T31, T32 = unit_lower_inverse_offdiag(T00, T11, T22, T33, A10, A20, A21, A30, A31, A32)
     _store_block(out_base, T00, t0, 0, 0, n_rows, stride_row, SUBC, EMULATE_BF16)
     _store_block(out_base, T10, t0, 1, 0, n_rows, stride_row, SUBC, EMULATE_BF16)
     _store_block(out_base, T11, t0, 1, 1, n_rows, stride_row, SUBC, EMULATE_BF16)

@@ -6,7 +6,7 @@ runs. Byte arithmetic follows PyTorch's CUDA caching allocator: every allocation
 rounded up to a multiple of 512 bytes (``Allocation.allocated_bytes``) and a zero-size
 tensor costs nothing; ``torch.cuda.max_memory_allocated`` counts those rounded sizes.
 
-Timeline modelled, allocation by allocation in program order (SPEC §3 protocol: inputs
+Timeline modelled, allocation by allocation in program order (docs/spec.md §3 protocol: inputs
 and dO exist before the call; the launchers ``chunk_fwd.chunk_kda_fwd`` and
 ``chunk_bwd.chunk_kda_bwd`` allocate in this order):
 
@@ -389,7 +389,7 @@ def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_
     def free(*names):
         events.extend(("free", n) for n in names)
 
-    # Held by the caller before the call (SPEC §3 protocol: dO exists up front).
+    # Held by the caller before the call (docs/spec.md §3 protocol: dO exists up front).
     for name, shape in (("q", (B, T, H, K)), ("k", (B, T, H, K)), ("v", (B, T, HV, V)),
                         ("g", (B, T, HV, K)), ("beta", (B, T, HV))):
         add(name, shape, dtype, "inputs/dO/O", "forward")

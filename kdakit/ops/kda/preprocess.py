@@ -24,9 +24,15 @@ L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 
 
+def l2norm_rstd(x: torch.Tensor) -> torch.Tensor:
+    """The l2norm's scale ``1 / sqrt(sum(x^2) + 1e-6)`` over the last dimension (kept, size 1), in the form of
+    the kernels' ``chunk_common.l2norm_rstd``; l2norm and its backward (chunk_bwd_reference) both use it."""
+    return 1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """Normalize the last dimension: ``x / sqrt(sum(x^2) + 1e-6)``."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+    return x * l2norm_rstd(x)
 
 
 def kda_gate(

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import GATE_NONE, L2NORM_EPS_TL, gate_log_decay_bwd, l2norm_rows_bwd, seq_bounds
+from kdakit.ops.kda.chunk_common import GATE_NONE, gate_log_decay_bwd, l2norm_rows, l2norm_rows_bwd, seq_bounds
 from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.recurrent_forward import (
     beta_value,
@@ -251,13 +251,11 @@ def _recurrent_bwd_qk_kernel(
             b_dk += tl.load(dk_part + p, mask=mask, other=0.0)
     p_x = (rows[:, None] * H + i_h) * K + offs_k[None, :]
     if L2NORM:
-        # y = x r with the forward's r = rsqrt(sum x^2 + eps) (qk_activation), then dx = r (dy - y (dy . y))
-        b_q = tl.load(q + p_x, mask=mask, other=0.0).to(tl.float32)
-        r_q = tl.rsqrt(tl.sum(b_q * b_q, axis=1) + L2NORM_EPS_TL)                                  # [BT]
-        b_dq = l2norm_rows_bwd(b_dq, b_q * r_q[:, None], r_q)
-        b_k = tl.load(k + p_x, mask=mask, other=0.0).to(tl.float32)
-        r_k = tl.rsqrt(tl.sum(b_k * b_k, axis=1) + L2NORM_EPS_TL)
-        b_dk = l2norm_rows_bwd(b_dk, b_k * r_k[:, None], r_k)
+        # y = x r with the forward's r (qk_activation's l2norm_rstd), then dx = r (dy - y (dy . y))
+        y_q, r_q = l2norm_rows(tl.load(q + p_x, mask=mask, other=0.0).to(tl.float32))        # [BT, BK], [BT]
+        b_dq = l2norm_rows_bwd(b_dq, y_q, r_q)
+        y_k, r_k = l2norm_rows(tl.load(k + p_x, mask=mask, other=0.0).to(tl.float32))
+        b_dk = l2norm_rows_bwd(b_dk, y_k, r_k)
     tl.store(dq + p_x, b_dq.to(dq.dtype.element_ty), mask=mask)
     tl.store(dk + p_x, b_dk.to(dk.dtype.element_ty), mask=mask)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import L2NORM_EPS_TL, seq_bounds, softplus_fp32
+from kdakit.ops.kda.chunk_common import l2norm_rstd, seq_bounds, softplus_fp32
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -115,9 +115,9 @@ def state_tile(i_n, i_hv, offs_k, offs_v, mask_k, mask_v, HV: tl.constexpr, K: t
 
 @triton.jit
 def qk_activation(x, L2NORM: tl.constexpr):
-    """``x / sqrt(sum x^2 + 1e-6)`` when asked, else x."""
+    """``x / sqrt(sum x^2 + 1e-6)`` when asked (the chunk kernels' l2norm_rstd), else x."""
     if L2NORM:
-        x = x * tl.rsqrt(tl.sum(x * x, axis=0) + L2NORM_EPS_TL)
+        x = x * l2norm_rstd(tl.sum(x * x, axis=0))
     return x
 
 

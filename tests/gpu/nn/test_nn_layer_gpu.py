@@ -32,6 +32,8 @@ from kdakit.memory.model import allocated_bytes, kdakit_model, protocol_spec
 from kdakit.nn import KDACache, KimiDeltaAttention
 from kdakit.testing import assert_close
 
+from ..capture import capture_like_an_engine
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -250,18 +252,7 @@ def test_pool_prefill_and_step_in_one_plain_cuda_graph(check_indices):
         return o_pre, o_dec
 
     refill()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # warm-up: compilation, autotuning, the eager index checks
-        for _ in range(2):
-            reset()
-            serve()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):   # plain: its own capture stream, nothing prepared on it
-        static_out = serve()
+    graph, static_out = capture_like_an_engine(serve, reset=reset)
 
     for round_ in range(2):
         refill()

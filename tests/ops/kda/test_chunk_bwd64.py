@@ -41,6 +41,15 @@ def test_options_match_naive(gate, l2norm, beta_mode):
     _compare(inp)
 
 
+def test_reset_level_log_decays():
+    # log-decays of -1000 are clamped to LOG_DECAY_FLOOR on load; the backward's gradient is 0 where the clamp holds
+    # (chunk_common.gate_log_decay_bwd_floored), which is the float64 gradient: exp(-1000) times anything
+    gen = torch.Generator().manual_seed(13)
+    inp = make_kda_inputs(T=100, H=1, HV=1, K=16, V=16, dtype=torch.float32, gate="none", seqlens=[70, 30],
+                          initial_state="kv", reset_tokens=0.2, generator=gen)
+    _compare(inp)
+
+
 def test_gva_value_first_state_several_v_blocks(monkeypatch):
     # V = 48 in 16-column steps of the gradient kernel, the serial passes and the forward; 2 value heads per q/k head
     monkeypatch.setattr(B64, "GRADS_BLOCK_V", 16)

@@ -120,9 +120,10 @@ def test_randomized_sweep():
 
 
 def test_state_pool_prefill_updates_rows_in_place():
-    inp = make_kda_inputs(T=30, H=1, HV=2, K=8, V=8, gate="safe", seqlens=[10, 20])
+    gen = torch.Generator().manual_seed(21)
+    inp = make_kda_inputs(T=30, H=1, HV=2, K=8, V=8, gate="safe", seqlens=[10, 20], generator=gen)
     t = {n: x.detach() for n, x in inp["tensors"].items()}
-    pool = torch.randn(5, 2, 8, 8, dtype=torch.float64)  # value-first rows [HV, V, K]
+    pool = torch.randn(5, 2, 8, 8, dtype=torch.float64, generator=gen)  # value-first rows [HV, V, K]
     before = pool.clone()
     idx = torch.tensor([3, 1], dtype=torch.int32)
     kw = dict(inp["kwargs"], state_v_first=True)
@@ -141,11 +142,13 @@ def test_state_pool_prefill_updates_rows_in_place():
 def test_state_pool_prefill_then_decode_share_one_cache():
     from kdakit import kda_decode
 
-    inp = make_kda_inputs(T=24, H=1, HV=2, K=8, V=8, gate="safe", seqlens=[10, 14], dtype=torch.float32)
+    gen = torch.Generator().manual_seed(22)
+    inp = make_kda_inputs(T=24, H=1, HV=2, K=8, V=8, gate="safe", seqlens=[10, 14], dtype=torch.float32,
+                          generator=gen)
     t = {n: x.detach() for n, x in inp["tensors"].items()}
     kw = dict(inp["kwargs"], state_v_first=True)
     kw.pop("output_final_state", None)
-    pool = torch.randn(4, 2, 8, 8)  # decode pools are fp32 or bf16
+    pool = torch.randn(4, 2, 8, 8, generator=gen)  # decode pools are fp32 or bf16
     idx = torch.tensor([2, -1], dtype=torch.int32)
     before = pool.clone()
     o, _ = chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
@@ -153,7 +156,7 @@ def test_state_pool_prefill_then_decode_share_one_cache():
     assert torch.equal(o[0, 10:], torch.zeros_like(o[0, 10:]))  # padded sequence: zero output
     assert torch.equal(pool[[0, 1, 3]], before[[0, 1, 3]])        # and its rows untouched
     # One decode token continues sequence 0 from the pool row prefill wrote.
-    step = make_kda_inputs(B=1, T=1, H=1, HV=2, K=8, V=8, gate="safe", dtype=torch.float32)
+    step = make_kda_inputs(B=1, T=1, H=1, HV=2, K=8, V=8, gate="safe", dtype=torch.float32, generator=gen)
     s = {n: x.detach() for n, x in step["tensors"].items()}
     s["A_log"], s["dt_bias"] = t["A_log"], t["dt_bias"]
     o_dec = kda_decode(s["q"], s["k"], s["v"], s["g"], s["beta"], pool, idx[:1], A_log=s["A_log"],
@@ -172,7 +175,8 @@ def test_infinite_decay_is_finite_like_the_recurrent_path(gate, value):
     # results on the recurrent path
     from kdakit import chunk_kda, fused_recurrent_kda
 
-    inp = make_kda_inputs(T=20, H=1, K=16, V=16, dtype=torch.float64, gate=gate, initial_state="kv")
+    inp = make_kda_inputs(T=20, H=1, K=16, V=16, dtype=torch.float64, gate=gate, initial_state="kv",
+                          generator=torch.Generator().manual_seed(23))
     t = {n: x.detach() for n, x in inp["tensors"].items()}
     t["g"] = t["g"].clone()
     t["g"][0, 5] = value

@@ -17,6 +17,8 @@ import torch
 
 from kdakit import chunk_kda, fused_recurrent_kda, kda_decode
 
+from ...capture import capture_like_an_engine
+
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
@@ -74,19 +76,7 @@ def test_prefill_and_decode_in_one_plain_cuda_graph(monkeypatch, pool_dtype):
         assert same is pool
         return o_prefill, o_decode, o_fla
 
-    # warm-up iterations on a side stream (compilation, autotuning, the eager index checks)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            pool.copy_(pool0)
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # plain: its own capture stream, nothing prepared on it
-        static_out = step()
+    graph, static_out = capture_like_an_engine(step, reset=lambda: pool.copy_(pool0))
 
     for round_ in range(2):
         _refill(static, gen)

@@ -12,6 +12,8 @@ from kdakit.ops.kda.recurrent_backward_segmented import backward_scratch_bytes
 from kdakit.ops.kda.workspace import Workspace
 from kdakit.testing import assert_close, make_kda_inputs
 
+from ...capture import capture_after_warm_call
+
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
@@ -117,9 +119,11 @@ def test_poisoned_buffers_and_bitwise_reruns():
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
 
 
-def _allocations():
-    s = torch.cuda.memory_stats()
-    return s.get("allocation.all.allocated", 0), s.get("segment.all.allocated", 0)
+def _keep_and_restore(out, pool, start):
+    """After an eager warm call that updated ``pool`` in place: (its output, the pool) kept, the pool restored."""
+    kept = out.clone(), pool.clone()
+    pool.copy_(start)
+    return kept
 
 
 def test_cuda_graph_forward_and_backward_capture_and_replay():
@@ -136,26 +140,14 @@ def test_cuda_graph_forward_and_backward_capture_and_replay():
             _call_fwd(t, kw, out=o_buf, final_state_out=ht_buf, workspace=ws)
         recurrent_kda_backward(*pos, **named, workspace=ws, out=grads_out)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # the eager warm call on the capture stream
-    stream.synchronize()
-    eager = [x.clone() for x in [o_buf, ht_buf, *grads_out]]
+    bufs = [o_buf, ht_buf, *grads_out]
+    graph, stream, eager = capture_after_warm_call(step, after_warm=lambda: [x.clone() for x in bufs])
 
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        # counted inside the block: capture_begin itself allocates the generator's graph state
-        before = _allocations()
-        step()
-        during = _allocations()
-    assert during == before, "the capture allocated memory"
-
-    for x in [o_buf, ht_buf, *grads_out]:
+    for x in bufs:
         x.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    for a, b in zip(eager, [o_buf, ht_buf, *grads_out]):
+    for a, b in zip(eager, bufs):
         assert torch.equal(a, b)
 
     # new input values, same tensors: replay == a fresh eager call
@@ -163,11 +155,11 @@ def test_cuda_graph_forward_and_backward_capture_and_replay():
         t[n].copy_(torch.randn_like(t[n], dtype=torch.float32).to(t[n].dtype))
     graph.replay()
     torch.cuda.synchronize()
-    replayed = [x.clone() for x in [o_buf, ht_buf, *grads_out]]
+    replayed = [x.clone() for x in bufs]
     with torch.cuda.stream(stream):
         step()
     stream.synchronize()
-    for a, b in zip(replayed, [o_buf, ht_buf, *grads_out]):
+    for a, b in zip(replayed, bufs):
         assert torch.equal(a, b)
 
 
@@ -243,18 +235,7 @@ def test_segmented_cuda_graph_capture_and_replay(varlen):
     def step():
         recurrent_kda_backward(*pos, **named, workspace=ws, out=grads_out, segment_tokens=512)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    stream.synchronize()
-    eager = [x.clone() for x in grads_out]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        before = _allocations()
-        step()
-        during = _allocations()
-    assert during == before, "the capture allocated memory"
+    graph, stream, eager = capture_after_warm_call(step, after_warm=lambda: [x.clone() for x in grads_out])
     for x in grads_out:
         x.fill_(float("nan"))
     graph.replay()
@@ -391,20 +372,9 @@ def test_decode_cuda_graph_capture_and_replay():
     idx = torch.randperm(P, device=DEV)[:N].to(torch.int32)
     out = torch.empty_like(t["v"])
     ws = Workspace(DEV)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
     start = pool.clone()
-    with torch.cuda.stream(stream):
-        _decode(t, kw, pool, idx, out=out, workspace=ws)
-    stream.synchronize()
-    eager_o, eager_pool = out.clone(), pool.clone()
-    pool.copy_(start)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        before = _allocations()
-        _decode(t, kw, pool, idx, out=out, workspace=ws)
-        during = _allocations()
-    assert during == before, "the capture allocated memory"
+    graph, _, (eager_o, eager_pool) = capture_after_warm_call(lambda: _decode(t, kw, pool, idx, out=out, workspace=ws),
+                                                              after_warm=lambda: _keep_and_restore(out, pool, start))
     pool.copy_(start)
     out.fill_(float("nan"))
     graph.replay()
@@ -513,19 +483,9 @@ def test_serving_cuda_graph_capture_and_replay():
     ws = Workspace(DEV)
     args = dict(ssm_state_indices=rows, num_accepted_tokens=accepted, inplace_final_state=True, out=out,
                 workspace=ws)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _call_fwd(dict(t, initial_state=pool), kw, **args)
-    stream.synchronize()
-    eager_o, eager_pool = out.clone(), pool.clone()
-    pool.copy_(start)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        before = _allocations()
-        _call_fwd(dict(t, initial_state=pool), kw, **args)
-        during = _allocations()
-    assert during == before, "the capture allocated memory"
+    graph, _, (eager_o, eager_pool) = capture_after_warm_call(
+        lambda: _call_fwd(dict(t, initial_state=pool), kw, **args),
+        after_warm=lambda: _keep_and_restore(out, pool, start))
     pool.copy_(start)
     out.fill_(float("nan"))
     graph.replay()
