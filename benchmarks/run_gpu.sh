@@ -31,7 +31,7 @@
 #   end      ~3 s           chunk_vs_fla.json (protocol join + sweep join), autotune_new.json, triton_autotune.tgz
 #
 #   bash benchmarks/run_gpu.sh [STAGE ...]   stages run in the order given:
-#       env warm chunk fla sweep profile chunk64 tests recurrent flalayer devdecode layer tune tunecompile flawarm wait
+#       env warm chunk fla sweep profile chunk64 tests recurrent flalayer devdecode layer traintiny tune tunecompile flawarm wait
 #       (default: env warm chunk fla sweep profile tests)
 #   env       env.json (GPU, torch, triton, CUDA, FLA, python, git sha, date)
 #   warm      the correctness gate (gate.json) in the foreground; in the background FLA's
@@ -56,6 +56,7 @@
 #   layer     kdakit's KimiDeltaAttention against FLA's (needs .whl/layer): examples/train_tiny.py --device cuda
 #             (TRAIN_TINY_ARGS; LAYER_TRAIN_S, default half the stage), the GPU comparison test (LAYER_TEST_S,
 #             default 120) and bench_layer.py at LAYER_TOKENS (131072) with the rest
+#   traintiny examples/train_tiny.py --device cuda alone (TRAIN_TINY_ARGS)
 #   tune      launch-config sweep of the windowed backward (tune_windowed.py); tunecompile only
 #             compiles its variants (parallel processes)
 #   flawarm   FLA's autotuning only, in the background, one process per head count of FLA_SHAPES;
@@ -303,6 +304,14 @@ stage_layer() {
     return "$r"
 }
 
+stage_traintiny() {
+    # train_tiny --device cuda alone (TRAIN_TINY_ARGS): its two models, kdakit's and FLA's, side by side
+    # shellcheck disable=SC2086
+    timeout -k 5 "$1" python3 examples/train_tiny.py --device cuda --quiet --out "$OUT/train_tiny" \
+        ${TRAIN_TINY_ARGS:-} 2>&1 | tee "$OUT/train_tiny.log"
+    return "${PIPESTATUS[0]}"
+}
+
 stage_tune() {
     timeout -k 5 "$1" python3 benchmarks/tune_windowed.py --out "$OUT/tune_windowed.json" 2>&1 | tee -a "$OUT/run.log"
     return "${PIPESTATUS[0]}"
@@ -332,7 +341,7 @@ stage_wait() {
 }
 
 declare -A DEFAULT_LIMIT=([env]=10 [warm]=160 [chunk]=100 [fla]=150 [sweep]=80 [profile]=20 [chunk64]=150 [tests]=rest
-                          [recurrent]=150 [flalayer]=300 [devdecode]=200 [layer]=300 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest)
+                          [recurrent]=150 [flalayer]=300 [devdecode]=200 [layer]=300 [traintiny]=200 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest)
 for s in "${stages[@]}"; do
     if [ -z "${DEFAULT_LIMIT[$s]+x}" ]; then
         echo "run_gpu.sh: unknown stage '$s' (skipped)" | tee -a "$OUT/stages.log"
