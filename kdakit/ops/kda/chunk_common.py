@@ -312,7 +312,9 @@ def load_chunk_gate(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, expA, lower
     if HAS_BIAS:
         bias = tl.load(bias_ptr + c, mask=c < K, other=0.0).to(tl.float32)  # [BC]
         x = x + bias[None, :]
-    a = tl.maximum(gate_log_decay(x, expA, lower_bound, GATE), LOG_DECAY_FLOOR_TL)
+    # NaN-propagating max (PTX max.NaN.f32): the plain max.f32 returns the non-NaN operand, so a NaN gate would
+    # load as the floor, a finite reset, on the GPU only (tests/gpu/ops/kda/test_nonfinite_gpu.py failed so, b6dd5fc)
+    a = tl.maximum(gate_log_decay(x, expA, lower_bound, GATE), LOG_DECAY_FLOOR_TL, propagate_nan=tl.PropagateNan.ALL)
     return tl.where(mask, a, 0.0)  # [C, BC]
 
 

@@ -340,7 +340,8 @@ def gate_from_preact(x, t0, n_rows, col0, K, expA, lower_bound,
     r = t0 + tl.arange(0, BR)
     c = col0 + tl.arange(0, BC)
     mask = (r < n_rows)[:, None] & (c < K)[None, :]
-    return tl.where(mask, tl.maximum(a, LOG_DECAY_FLOOR_TL), 0.0)
+    # NaN-propagating, as chunk_common.load_chunk_gate's clamp (PTX max.f32 would turn a NaN gate into the floor)
+    return tl.where(mask, tl.maximum(a, LOG_DECAY_FLOOR_TL, propagate_nan=tl.PropagateNan.ALL), 0.0)
 
 
 @triton.jit
