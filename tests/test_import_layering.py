@@ -13,8 +13,9 @@ one that imports it back), and no kdakit import inside a function of the recurre
     recurrent_forward              forward kernel + launcher, per-token Triton functions
     recurrent_backward_kernels     backward kernels + one-pass launcher      -> recurrent_forward
     recurrent_backward_segmented   segmented driver      -> recurrent_forward, recurrent_backward_kernels
-    decode                         pool / serving kernel                     -> recurrent_forward
-    recurrent_backward             recurrent_kda_backward, dispatch  -> the three above but decode
+    decode_step                    one-token in-place decode step kernel     -> recurrent_forward
+    decode                         pool / serving kernel                     -> recurrent_forward, decode_step
+    recurrent_backward             recurrent_kda_backward, dispatch  -> the first three
     fused_recurrent                fused_recurrent_kda + autograd    -> all of them
 """
 
@@ -33,6 +34,7 @@ RECURRENT = (
     "kdakit.ops.kda.recurrent_backward_kernels",
     "kdakit.ops.kda.recurrent_backward_segmented",
     "kdakit.ops.kda.recurrent_backward",
+    "kdakit.ops.kda.decode_step",
     "kdakit.ops.kda.decode",
     "kdakit.ops.kda.fused_recurrent",
 )
@@ -210,7 +212,8 @@ def test_recurrent_layering():
         "kdakit.ops.kda.recurrent_backward_kernels": {"kdakit.ops.kda.recurrent_forward"},
         "kdakit.ops.kda.recurrent_backward_segmented": {"kdakit.ops.kda.recurrent_forward",
                                                         "kdakit.ops.kda.recurrent_backward_kernels"},
-        "kdakit.ops.kda.decode": {"kdakit.ops.kda.recurrent_forward"},
+        "kdakit.ops.kda.decode_step": {"kdakit.ops.kda.recurrent_forward"},
+        "kdakit.ops.kda.decode": {"kdakit.ops.kda.recurrent_forward", "kdakit.ops.kda.decode_step"},
         "kdakit.ops.kda.recurrent_backward": {"kdakit.ops.kda.recurrent_forward",
                                               "kdakit.ops.kda.recurrent_backward_kernels",
                                               "kdakit.ops.kda.recurrent_backward_segmented"},
