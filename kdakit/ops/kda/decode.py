@@ -45,9 +45,9 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import select_backend, triton_interpreting
-from kdakit.ops.kda.chunk_common import round_to_bf16, round_to_bf16_if
+from kdakit.ops.kda.chunk_common import round_to_bf16_if
 from kdakit.ops.kda.compiled import kda_decode_via_op
-from kdakit.ops.kda.decode_step import launch_pool_step, step_kernel_applies
+from kdakit.ops.kda.decode_step import launch_pool_step, state_tile_step, step_kernel_applies
 from kdakit.ops.kda.options import KDAOptions, kda_options
 from kdakit.ops.kda.recurrent_forward import (
     check_kernel_layout,
@@ -163,18 +163,7 @@ def _pool_recurrent_kernel(
         b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, mask_k,
                                                   lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
 
-        S = S * tl.exp(b_a)[None, :]                                                      # S' = D S
-        b_u = b_beta * (b_v - tl.sum(S * b_k[None, :], axis=1))                           # [BV]
-        S = S + b_u[:, None] * b_k[None, :]
-        if ROUND_STATE:
-            if NATIVE_ROUND:
-                # the GPU's round-to-nearest-even cast (one instruction per two elements); the integer
-                # recipe, which the interpreter needs, gives the same bits for finite values and made a
-                # one-token bf16 step at N = 64 2 % slower (43.3 vs 42.5 us, results/dev_decode_h200.json)
-                S = S.to(tl.bfloat16).to(tl.float32)
-            else:
-                S = round_to_bf16(S)
-        b_o = scale * tl.sum(S * b_q[None, :], axis=1)                                    # [BV]
+        S, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE, NATIVE_ROUND)
         b_o = tl.where(valid, b_o, 0.0)
         tl.store(o + hv_row * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
         if WRITE == 1:

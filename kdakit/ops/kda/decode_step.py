@@ -56,6 +56,28 @@ def step_kernel_applies(*, T: int, cu_seqlens, state_indices, h0, ht, write_fina
 
 
 # ---------------------------------------------------------------------------------------------
+# One token on an S^T tile (shared with decode.py's pool kernel)
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE: tl.constexpr, NATIVE_ROUND: tl.constexpr):
+    """One token's update of an S^T tile [BV, K] (fp32) and its output rows [BV]: decay, delta rule, the bf16
+    pool's rounding when ROUND_STATE, then ``o = scale * S q``. -> (S, o)"""
+    S = S * tl.exp(b_a)[None, :]                                                          # S' = S D
+    b_u = b_beta * (b_v - tl.sum(S * b_k[None, :], axis=1))                               # [BV]
+    S = S + b_u[:, None] * b_k[None, :]
+    if ROUND_STATE:
+        if NATIVE_ROUND:
+            # the GPU's round-to-nearest-even cast (one instruction per two elements); the integer recipe, which
+            # the interpreter needs, gives the same bits for finite values and made a one-token bf16 step at
+            # N = 64 1 % slower (43.3 vs 42.8 us in the loop-free prototype, results/dev_decode_tiles_h200.json)
+            S = S.to(tl.bfloat16).to(tl.float32)
+        else:
+            S = round_to_bf16(S)
+    return S, scale * tl.sum(S * b_q[None, :], axis=1)                                    # [BV]
+
+
+# ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
 
@@ -93,15 +115,7 @@ def _pool_step_kernel(
 
     b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, offs_k < K,
                                               lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
-    S = S * tl.exp(b_a)[None, :]                                                          # S' = S D
-    b_u = b_beta * (b_v - tl.sum(S * b_k[None, :], axis=1))                               # [BV]
-    S = S + b_u[:, None] * b_k[None, :]
-    if ROUND_STATE:
-        if NATIVE_ROUND:
-            S = S.to(tl.bfloat16).to(tl.float32)  # the GPU's round-to-nearest-even (decode.py says why)
-        else:
-            S = round_to_bf16(S)
-    b_o = scale * tl.sum(S * b_q[None, :], axis=1)                                        # [BV]
+    S, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE, NATIVE_ROUND)
     tl.store(o + (i_n * HV + i_hv) * V + offs_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty))
     tl.store(row + offs_s, round_to_bf16_if(S, ROUND_STORE).to(pool.dtype.element_ty), mask=valid,
              cache_modifier=".cs")
