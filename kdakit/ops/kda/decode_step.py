@@ -13,9 +13,9 @@ elements once), and what separates the pool kernel from a copy at N = 64 is late
 bytes (docs/perf_notes.md, "Decode"). This kernel gives each program one ``[BV, K]`` tile on a 1-D grid,
 with no token loop and no element masks (K a power of two, BV dividing V), requests the token's inputs
 before the row index and the state that depends on it, and reads the state ``evict_first`` and writes it
-with streaming stores, since each byte is touched once. On the H200 at N = 64, HV = 32, K = V = 128
-(results/dev_decode_h200.json, one-kernel graph replays): bf16 37.5 us a step against 44.8 us for the pool
-kernel (a same-size copy: 36.6 us), fp32 70.9 against 77.7.
+with streaming stores, since each byte is touched once. On the H200 at N = 64, HV = 32, K = V = 128, one
+step per graph replay: bf16 37.5 us (a same-size copy: 36.6 us), fp32 70.9 us (results/dev_decode_h200.json),
+where the pool kernel took 44.8 and 77.7 us (results/dev_decode_tiles_h200.json, dev_decode_h200_8c55b71.json).
 
 PyTorch twin: ``decode.pool_recurrent_reference``, the pool kernel's, whose semantics this kernel keeps
 (tests/ops/kda/test_decode_step.py checks the two kernels' bits against each other).
@@ -41,7 +41,8 @@ from kdakit.ops.kda.recurrent_forward import MAX_HEAD_DIM, token_activations
 # [8, K] tiles on one warp: the fastest of block_v 8-64 x 1-4 warps in three of the four cells of
 # results/dev_decode_h200.json (HV = 32, K = V = 128, one-kernel replays), and 0.3 % behind the best in the
 # fourth: bf16 37.5 / 143.2 us at N = 64 / 256 (16 x 1: 40.3 / 148.1), fp32 70.9 / 274.8 (72.3 / 281.0).
-# More, smaller programs keep more of each SM's loads in flight while others compute.
+# Why the smaller tile is faster was not measured (no per-kernel counters were taken); the likely reason is more
+# programs per SM, so more of their loads in flight while others compute.
 STEP_BLOCK_V = 8
 STEP_NUM_WARPS = 1
 
