@@ -19,7 +19,7 @@ import time
 import torch
 
 from kdakit.ops.kda.decode import decode_launch_config, decode_options, kda_decode, launch_kda_decode
-from kdakit.ops.kda.decode_step import STEP_BLOCK_V, STEP_NUM_WARPS
+from kdakit.ops.kda.decode_step import STEP_BLOCK_V, STEP_NUM_WARPS, step_kernel_applies
 
 # Speculative decoding (issue #13 item 9): S tokens per sequence, state_indices [N, S], num_accepted_tokens [N]
 SPEC_S = 4
@@ -152,8 +152,11 @@ def sweep_decode(t, opts, pool, idx, ref_o, ref_pool, copy_GBps: float, plan: Sw
     start = time.monotonic()
     rows = []
     N, HV, V = t["v"].shape[0], t["v"].shape[2], t["v"].shape[3]
-    # one-token steps with [N] indices run on decode_step.py's kernel, everything else on the pool kernel
-    default = (STEP_BLOCK_V, STEP_NUM_WARPS) if t["v"].shape[1] == 1 else decode_launch_config(N, t["v"].shape[1], HV, V)
+    # the config kda_decode itself would launch: decode_step.py's kernel when it takes the step, else the pool kernel's
+    step = step_kernel_applies(T=t["v"].shape[1], cu_seqlens=None, state_indices=idx, h0=pool, ht=pool,
+                               write_final_to_read_row=idx.dim() == 1, state_v_first=True, K=t["q"].shape[3], V=V,
+                               block_v=None)
+    default = (STEP_BLOCK_V, STEP_NUM_WARPS) if step else decode_launch_config(N, t["v"].shape[1], HV, V)
     try:
         for block_v, num_warps in sweep_configs(V):
             row = {"block_v": block_v, "num_warps": num_warps,

@@ -23,6 +23,10 @@ Each kernel is timed two ways: one step per graph replay (what bench_recurrent r
 steps in one graph divided by their number (the step's GPU time without the replay's own launch; the copy
 is timed the same two ways, so the ratios compare like with like).
 
+The prototypes' per-token math is the shipped kernels' own (recurrent_forward.qk_activation,
+decode_step.state_tile_step); what they vary is the grid, tiles and memory hints. (The committed runs of
+2026-12-01 had the math inline, with the l2norm as ``x * rsqrt`` where the kernels now use ``1 / sqrt``.)
+
 Each prototype config is gated against kda_decode's own output and pool on the same start (bf16 pools:
 bitwise equal rows where the rounding agrees; the max abs difference is recorded). GPU only.
 
@@ -44,9 +48,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_recurrent import _decode_inputs, copy_bandwidth, environment  # noqa: E402
 from timing import graphed, graphed_steps_ms, median_ms  # noqa: E402
-from kdakit.ops.kda.chunk_common import round_to_bf16  # noqa: E402
 from kdakit.ops.kda.decode import decode_options, kda_decode  # noqa: E402
-from kdakit.ops.kda.decode_step import launch_pool_step  # noqa: E402
+from kdakit.ops.kda.decode_step import launch_pool_step, state_tile_step  # noqa: E402
+from kdakit.ops.kda.recurrent_forward import qk_activation  # noqa: E402
 
 DEV = "cuda"
 
@@ -86,19 +90,11 @@ def _dev_decode_kernel(q, k, v, g, beta, A_log, dt_bias, pool, idx, o, scale, lo
         offs_v = c_v * BV + tl.arange(0, BV)
         b_v = tl.load(v + (c_n * HV + c_hv) * V + offs_v).to(tl.float32)
         b_b = tl.sigmoid(tl.load(beta + c_n * HV + c_hv).to(tl.float32))
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+        b_q = qk_activation(b_q, True)
+        b_k = qk_activation(b_k, True)
         x = b_g + tl.load(dt_bias + c_hv * K + offs_k).to(tl.float32)
         b_a = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + c_hv).to(tl.float32)) * x)
-        S = S * tl.exp(b_a)[None, :]
-        b_u = b_b * (b_v - tl.sum(S * b_k[None, :], axis=1))
-        S = S + b_u[:, None] * b_k[None, :]
-        if ROUND:
-            if NATIVE_ROUND:
-                S = S.to(tl.bfloat16).to(tl.float32)
-            else:
-                S = round_to_bf16(S)
-        b_o = scale * tl.sum(S * b_q[None, :], axis=1)
+        S, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_b, scale, ROUND, NATIVE_ROUND)
         tl.store(o + (c_n * HV + c_hv) * V + offs_v, b_o.to(o.dtype.element_ty), mask=cur_ok)
         tl.store(pool + c_slot * row_stride + c_offs, S.to(pool.dtype.element_ty), mask=cur_ok & (c_offs >= 0))
 
@@ -139,19 +135,11 @@ def _dev_decode_seq_kernel(q, k, v, g, beta, A_log, dt_bias, pool, idx, o, scale
         offs_v = i_v * BV + offs_r
         b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)
         b_b = tl.sigmoid(tl.load(beta + i_n * HV + i_hv).to(tl.float32))
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+        b_q = qk_activation(b_q, True)
+        b_k = qk_activation(b_k, True)
         x = b_g + tl.load(dt_bias + i_hv * K + offs_k).to(tl.float32)
         b_a = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * x)
-        S = S * tl.exp(b_a)[None, :]
-        b_u = b_b * (b_v - tl.sum(S * b_k[None, :], axis=1))
-        S = S + b_u[:, None] * b_k[None, :]
-        if ROUND:
-            if NATIVE_ROUND:
-                S = S.to(tl.bfloat16).to(tl.float32)
-            else:
-                S = round_to_bf16(S)
-        b_o = scale * tl.sum(S * b_q[None, :], axis=1)
+        S, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_b, scale, ROUND, NATIVE_ROUND)
         tl.store(o + (i_n * HV + i_hv) * V + offs_v, b_o.to(o.dtype.element_ty))
         if EVICT:
             tl.store(row + j * BV * K + offs_t, S.to(pool.dtype.element_ty), cache_modifier=".cs")
