@@ -147,6 +147,39 @@ def _dev_decode_seq_kernel(q, k, v, g, beta, A_log, dt_bias, pool, idx, o, scale
             tl.store(row + j * BV * K + offs_t, S.to(pool.dtype.element_ty))
 
 
+@triton.jit
+def _dev_decode_pipe_kernel(q, k, v, g, beta, A_log, dt_bias, pool, idx, o, scale, lower_bound, row_stride, n_tiles,
+                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                            STAGES: tl.constexpr, NATIVE_ROUND: tl.constexpr, ROUND: tl.constexpr):
+    NVT: tl.constexpr = V // BV
+    offs_k = tl.arange(0, K)
+    offs_r = tl.arange(0, BV)
+    # a persistent grid; Triton's loop pipeliner turns the loads into cp.async into shared memory, STAGES - 1 tiles
+    # ahead, so a program's loads in flight do not hold registers (sm_90a PTX: 51 / 77 cp.async at 2 / 3 stages)
+    for tile32 in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        tile = tile32.to(tl.int64)
+        i_n = tile // (HV * NVT)
+        i_hv = (tile // NVT) % HV
+        i_v = tile % NVT
+        i_h = i_hv // (HV // H)
+        slot = tl.load(idx + i_n).to(tl.int64)
+        offs_s = (i_hv * V + i_v * BV + offs_r[:, None]) * K + offs_k[None, :]                     # [BV, K]
+        S = tl.load(pool + slot * row_stride + offs_s, eviction_policy="evict_first").to(tl.float32)
+        b_q = tl.load(q + (i_n * H + i_h) * K + offs_k).to(tl.float32)
+        b_k = tl.load(k + (i_n * H + i_h) * K + offs_k).to(tl.float32)
+        b_g = tl.load(g + (i_n * HV + i_hv) * K + offs_k).to(tl.float32)
+        offs_v = i_v * BV + offs_r
+        b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)
+        b_b = tl.sigmoid(tl.load(beta + i_n * HV + i_hv).to(tl.float32))
+        b_q = qk_activation(b_q, True)
+        b_k = qk_activation(b_k, True)
+        x = b_g + tl.load(dt_bias + i_hv * K + offs_k).to(tl.float32)
+        b_a = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * x)
+        S, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_b, scale, ROUND, NATIVE_ROUND)
+        tl.store(o + (i_n * HV + i_hv) * V + offs_v, b_o.to(o.dtype.element_ty))
+        tl.store(pool + slot * row_stride + offs_s, S.to(pool.dtype.element_ty), cache_modifier=".cs")
+
+
 def launch_seq(t, opts, pool, idx, out, block_v, num_warps, native_round, tiles, evict):
     N, _, H, K = t["q"].shape
     HV, V = t["v"].shape[2], t["v"].shape[3]
@@ -160,14 +193,26 @@ def launch_seq(t, opts, pool, idx, out, block_v, num_warps, native_round, tiles,
         ROUND=pool.dtype == torch.bfloat16, EVICT=evict, num_warps=num_warps)
 
 
-def launch_step(t, opts, pool, idx, out, block_v, num_warps, native_round):
+def launch_pipe(t, opts, pool, idx, out, block_v, num_warps, stages, progs_per_sm):
+    N, _, H, K = t["q"].shape
+    HV, V = t["v"].shape[2], t["v"].shape[3]
+    n_tiles = N * HV * (V // block_v)
+    sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
+    _dev_decode_pipe_kernel[(min(n_tiles, sms * progs_per_sm),)](
+        t["q"], t["k"], t["v"], t["g"], t["beta"], t["A_log"], t["dt_bias"], pool, idx, out,
+        float(K ** -0.5), float(opts["lower_bound"]), pool.stride(0), n_tiles,
+        H=H, HV=HV, K=K, V=V, BV=block_v, STAGES=stages, NATIVE_ROUND=True, ROUND=pool.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=stages)
+
+
+def launch_step(t, opts, pool, idx, out, block_v, num_warps, native_round, maxnreg=None):
     """decode_step.py's kernel as kda_decode launches it, at a given tile and warp count (``native_round``
     unused: the shipped kernel picks its rounding itself)."""
     kopts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"], **opts)
     A_log, dt_bias = kopts.kernel_gate_params(t["A_log"], t["dt_bias"])
     launch_pool_step(t["q"], t["k"], t["v"], t["g"], t["beta"], out, kopts, pool=pool, state_indices=idx,
                      round_state=pool.dtype == torch.bfloat16, A_log=A_log, dt_bias=dt_bias, N=t["q"].shape[0],
-                     block_v=block_v, num_warps=num_warps)
+                     block_v=block_v, num_warps=num_warps, maxnreg=maxnreg)
 
 
 def amortized_us(fn, steps, iters):
@@ -229,7 +274,7 @@ def run_cell(N, pool_dtype, variants, iters, amortize, copy_GBps, with_fla):
             continue
         if kind == "proto" and params["native_round"] and pool_dtype != torch.bfloat16:
             continue  # an fp32 pool is never rounded: the same kernel as native_round=False
-        launch = {"seq": launch_seq, "proto": launch_dev, "step": launch_step}[kind]
+        launch = {"seq": launch_seq, "proto": launch_dev, "step": launch_step, "pipe": launch_pipe}[kind]
         r = dict(kind=kind, **params)
         p, o = pool0.clone(), torch.empty_like(t["v"])
         try:
@@ -278,10 +323,15 @@ def parse_configs(text):
         bv, w = (int(x) for x in cfg.split("x"))
         if kind == "step":
             out.append(("step", dict(block_v=bv, num_warps=w, native_round=False)))
+        elif kind == "stepreg":  # the step kernel with ptxas capped at 64 registers (bf16 at 8 x 1: 72 -> 64)
+            out.append(("step", dict(block_v=bv, num_warps=w, native_round=False, maxnreg=64)))
+        elif kind.startswith("pipe"):  # pipe<stages>p<programs per SM>, e.g. pipe3p8:8x1
+            st, pps = (int(x) for x in kind[4:].split("p"))
+            out.append(("pipe", dict(block_v=bv, num_warps=w, stages=st, progs_per_sm=pps)))
         elif kind == "seq":
             out.append(("seq", dict(block_v=bv, num_warps=w, native_round=True, tiles=1, evict=True)))
         else:
-            raise ValueError(f"--configs: kind must be step or seq, got {kind!r}")
+            raise ValueError(f"--configs: kind must be step, stepreg, seq or pipe<S>p<P>, got {kind!r}")
     return out
 
 

@@ -128,11 +128,12 @@ def _pool_step_kernel(
 
 def launch_pool_step(q, k, v, g, beta, o, opts, *, pool: torch.Tensor, state_indices: torch.Tensor,
                      round_state: bool, A_log, dt_bias, N: int, block_v: int | None = None,
-                     num_warps: int | None = None) -> None:
+                     num_warps: int | None = None, maxnreg: int | None = None) -> None:
     """One token per sequence, row ``state_indices[n]`` of ``pool`` read and written in place.
 
     ``opts``: the call's ``KDAOptions`` (its kernel encodings); ``A_log`` / ``dt_bias``: the flat views of the
-    in-kernel gate's parameters (None without it); ``block_v`` / ``num_warps``: benchmarks' sweeps."""
+    in-kernel gate's parameters (None without it); ``block_v`` / ``num_warps`` / ``maxnreg`` (ptxas's register
+    cap): benchmarks' sweeps."""
     if N == 0:
         return
     _, _, H, K = q.shape
@@ -146,4 +147,5 @@ def launch_pool_step(q, k, v, g, beta, o, opts, *, pool: torch.Tensor, state_ind
         H=H, HV=HV, K=K, V=V, BV=BV, ROUND_STATE=round_state,
         ROUND_STORE=pool.dtype == torch.bfloat16 and not round_state, NATIVE_ROUND=not triton_interpreting(),
         **opts.recurrent_constexprs(), num_warps=STEP_NUM_WARPS if num_warps is None else num_warps,
+        maxnreg=maxnreg,
     )
