@@ -512,7 +512,12 @@ def main(argv=None) -> int:
     results = {"benchmark": "recurrent KDA: decode state bandwidth and recurrent fwd+bwd",
                "env": environment(), "target_fraction_of_copy": TARGET_FRACTION,
                "target_speedup_vs_fla": TARGET_SPEEDUP_VS_FLA,
-               "default_launch_config": "decode.py's decode_launch_config (per cell: the sweep rows' default)"}
+               "default_launch_config": "one-token steps with [N] indices: decode_step.py's STEP_BLOCK_V x "
+                                        "STEP_NUM_WARPS; others: decode.py's decode_launch_config (per cell: the "
+                                        "sweep rows' default)",
+               "graph_steps_note": f"*_graph_steps_ms: GRAPH_STEPS ({GRAPH_STEPS}) steps captured in one CUDA graph, "
+                                   "per step (benchmarks/timing.graphed_steps_ms); kdakit_graph_ms / fla_graph_ms: "
+                                   "one step per graph replay"}
     sweep = None
     if args.sweep:
         sweep = SweepPlan(iters=args.sweep_iters, left_s=args.sweep_budget_s)
