@@ -24,7 +24,7 @@ steps in one graph divided by their number (the step's GPU time without the repl
 is timed the same two ways, so the ratios compare like with like).
 
 The prototypes' per-token math is the shipped kernels' own (recurrent_forward.qk_activation,
-decode_step.state_tile_step); what they vary is the grid, tiles and memory hints. (The committed runs of
+recurrent_forward.state_tile_step); what they vary is the grid, tiles and memory hints. (The committed runs of
 2026-12-01 had the math inline, with the l2norm as ``x * rsqrt`` where the kernels now use ``1 / sqrt``.)
 
 Each prototype config is gated against kda_decode's own output and pool on the same start (bf16 pools:
@@ -49,8 +49,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_recurrent import _decode_inputs, copy_bandwidth, environment  # noqa: E402
 from timing import graphed, graphed_steps_ms, median_ms  # noqa: E402
 from kdakit.ops.kda.decode import decode_options, kda_decode  # noqa: E402
-from kdakit.ops.kda.decode_step import launch_pool_step, state_tile_step  # noqa: E402
-from kdakit.ops.kda.recurrent_forward import qk_activation  # noqa: E402
+from kdakit.ops.kda.decode_step import launch_pool_step  # noqa: E402
+from kdakit.ops.kda.recurrent_forward import qk_activation, state_tile_step  # noqa: E402
 
 DEV = "cuda"
 
@@ -94,7 +94,7 @@ def _dev_decode_kernel(q, k, v, g, beta, A_log, dt_bias, pool, idx, o, scale, lo
         b_k = qk_activation(b_k, True)
         x = b_g + tl.load(dt_bias + c_hv * K + offs_k).to(tl.float32)
         b_a = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + c_hv).to(tl.float32)) * x)
-        S, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_b, scale, ROUND, NATIVE_ROUND)
+        S, _, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_b, scale, ROUND, NATIVE_ROUND)
         tl.store(o + (c_n * HV + c_hv) * V + offs_v, b_o.to(o.dtype.element_ty), mask=cur_ok)
         tl.store(pool + c_slot * row_stride + c_offs, S.to(pool.dtype.element_ty), mask=cur_ok & (c_offs >= 0))
 
@@ -139,7 +139,7 @@ def _dev_decode_seq_kernel(q, k, v, g, beta, A_log, dt_bias, pool, idx, o, scale
         b_k = qk_activation(b_k, True)
         x = b_g + tl.load(dt_bias + i_hv * K + offs_k).to(tl.float32)
         b_a = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * x)
-        S, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_b, scale, ROUND, NATIVE_ROUND)
+        S, _, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_b, scale, ROUND, NATIVE_ROUND)
         tl.store(o + (i_n * HV + i_hv) * V + offs_v, b_o.to(o.dtype.element_ty))
         if EVICT:
             tl.store(row + j * BV * K + offs_t, S.to(pool.dtype.element_ty), cache_modifier=".cs")
@@ -175,7 +175,7 @@ def _dev_decode_pipe_kernel(q, k, v, g, beta, A_log, dt_bias, pool, idx, o, scal
         b_k = qk_activation(b_k, True)
         x = b_g + tl.load(dt_bias + i_hv * K + offs_k).to(tl.float32)
         b_a = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * x)
-        S, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_b, scale, ROUND, NATIVE_ROUND)
+        S, _, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_b, scale, ROUND, NATIVE_ROUND)
         tl.store(o + (i_n * HV + i_hv) * V + offs_v, b_o.to(o.dtype.element_ty))
         tl.store(pool + slot * row_stride + offs_s, S.to(pool.dtype.element_ty), cache_modifier=".cs")
 

@@ -85,11 +85,10 @@ from kdakit.ops.kda.chunk import chunk_kda
 from kdakit.ops.kda.decode import kda_decode
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
 from kdakit.ops.kda.state_pool import padded_row_writes
-from kdakit.ops.kda.validate import check_pool_rows
+from kdakit.ops.kda.validate import INDEX_DTYPES, check_pool_rows
 from kdakit.ops.kda.workspace import check_capturable_offsets, is_capturing
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-INDEX_DTYPES = (torch.int32, torch.int64)
 # the layer's out-of-range message for pool rows (``check_pool_rows``, the op's check, names the rest)
 POOL_ROWS_RANGE_MESSAGE = "{name} must hold pool rows in [-1, P={P}) (-1 = padded), got {bad}"
 MODES = ("chunk", "fused_recurrent")

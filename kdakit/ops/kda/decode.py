@@ -30,10 +30,11 @@ an S-token step gives the same bits as S one-token steps. An fp32 pool is never 
 (The FLA-compatible serving path does not round the running state, as FLA does not: only
 the stored copies are rounded.)
 
-Kernel: grid ``(N * HV, cdiv(V, BV))``; each program moves a ``[BV, K]`` tile of one state
-(read once, written once per step), so a step moves ``2 * N * HV * V * K`` state elements.
-The same kernel serves both entry points; constexpr flags choose the state layout
-(value-first or ``[K, V]``), where states are written (``WRITE_*``) and the bf16 rounding. A
+Kernel: ``recurrent_forward._recurrent_kernel``, the recurrence of every recurrent path, on the grid
+``(N * HV, cdiv(V, BV))``; each program moves a ``[BV, K]`` tile of one state (read once, written once
+per step), so a step moves ``2 * N * HV * V * K`` state elements. Both entry points here launch it;
+constexpr flags choose the state layout (value-first or ``[K, V]``), where states are written
+(``WRITE_*``) and the bf16 rounding. A
 one-token step updated in place with ``[N]`` indices (plain decode) runs instead on the mask-free
 1-D-grid kernel of ``decode_step.py``, the same math and bits (its docstring says why).
 """
@@ -42,22 +43,22 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from kdakit.ops.kda.backend import select_backend, triton_interpreting
-from kdakit.ops.kda.chunk_common import round_to_bf16_if
 from kdakit.ops.kda.compiled import kda_decode_via_op
-from kdakit.ops.kda.decode_step import launch_pool_step, state_tile_step, step_kernel_applies
+from kdakit.ops.kda.decode_step import launch_pool_step, step_kernel_applies
 from kdakit.ops.kda.options import KDAOptions, kda_options
 from kdakit.ops.kda.recurrent_forward import (
+    OUT_O,
+    WRITE_FINAL_TO_READ_ROW,
+    WRITE_NONE,
+    WRITE_PER_TOKEN_PACKED,
+    WRITE_PER_TOKEN_ROWS,
+    _recurrent_kernel,
     check_kernel_layout,
-    key_value_offsets,
-    load_token_raw,
-    program_sequence,
-    token_activations,
 )
 from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
-from kdakit.ops.kda.validate import STATE_DTYPES, check_pool_rows
+from kdakit.ops.kda.validate import STATE_DTYPES, check_index_tensor, check_pool_rows
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
@@ -98,89 +99,6 @@ def decode_launch_config(N: int, tokens: float, HV: int, V: int) -> tuple[int, i
 
 
 POOL_DTYPES = (torch.float32, torch.bfloat16)
-INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernel (shared by kda_decode and fused_recurrent_kda's serving arguments)
-# ---------------------------------------------------------------------------------------------
-
-# Where a program writes states (constexpr WRITE):
-WRITE_FINAL_TO_READ_ROW = 0  # the final state to the row it read (kda_decode [N]; FLA in place without indices)
-WRITE_PER_TOKEN_ROWS = 1     # the state after token j to row indices[n, j] (kda_decode [N, S]; FLA in place)
-WRITE_PER_TOKEN_PACKED = 2   # the state after packed token t to row t of ht (FLA with indices, not in place)
-WRITE_NONE = 3
-
-
-@triton.jit(do_not_specialize=["T", "P_read", "P_write"])
-def _pool_recurrent_kernel(
-    q, k, v, g, beta, A_log, dt_bias, h0, ht, state_indices, num_accepted, o, cu_seqlens,
-    scale, lower_bound, T, P_read, P_write, h0_row_stride, ht_row_stride, idx_stride_n, idx_stride_s, acc_stride,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IDX_COLS: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INDICES: tl.constexpr, USE_H0: tl.constexpr, WRITE: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
-    ROUND_STATE: tl.constexpr, ROUND_STORE: tl.constexpr, STATE_V_FIRST: tl.constexpr, IS_VARLEN: tl.constexpr,
-    L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
-    NATIVE_ROUND: tl.constexpr,
-):
-    i_n, i_hv, i_h, i_v, bos, eos = program_sequence(cu_seqlens, T, H, HV, IS_VARLEN)
-    offs_k, offs_v, mask_k, mask_v = key_value_offsets(i_v, K, V, BK, BV)
-    # the first token's inputs are requested before the row index and the state that depends on it
-    n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, bos, eos, i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
-                                             H, HV, K, V)
-
-    idx_row = state_indices + i_n.to(tl.int64) * idx_stride_n
-    slot = i_n.to(tl.int64)  # without indices, sequence n owns row n
-    valid = slot >= 0        # true: with no state to read there is no read row to check
-    if USE_H0:
-        if HAS_INDICES:
-            if HAS_ACCEPTED:
-                # clamped so that an unchecked bad count cannot read outside this sequence's row
-                read_col = tl.load(num_accepted + i_n.to(tl.int64) * acc_stride).to(tl.int64) - 1
-                read_col = tl.minimum(tl.maximum(read_col, 0), IDX_COLS - 1)
-            else:
-                read_col = 0
-            slot = tl.load(idx_row + read_col * idx_stride_s).to(tl.int64)
-        # -1 marks a padded sequence (kda_decode); out-of-range rows are treated the same so
-        # that an unchecked bad index can never touch memory outside the pool.
-        valid = (slot >= 0) & (slot < P_read)
-
-    mask_s = (mask_v[:, None] & mask_k[None, :]) & valid                                  # [BV, BK]
-    if STATE_V_FIRST:
-        offs_s = (i_hv * V + offs_v[:, None]) * K + offs_k[None, :]                       # [BV, BK]
-    else:
-        offs_s = (i_hv * K + offs_k[None, :]) * V + offs_v[:, None]
-    S = tl.zeros([BV, BK], dtype=tl.float32)                                              # S^T tile
-    if USE_H0:
-        S += tl.load(h0 + slot * h0_row_stride + offs_s, mask=mask_s, other=0.0).to(tl.float32)
-
-    t = bos
-    while t < eos:
-        b_q, b_k, b_g, b_v, b_beta = n_q, n_k, n_g, n_v, n_b
-        n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, t + 1, eos, i_h, i_hv, offs_k, mask_k,
-                                                 offs_v, mask_v, H, HV, K, V)
-        hv_row = t * HV + i_hv
-        b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, mask_k,
-                                                  lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
-
-        S, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE, NATIVE_ROUND)
-        b_o = tl.where(valid, b_o, 0.0)
-        tl.store(o + hv_row * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
-        if WRITE == 1:
-            col = t - bos
-            # masked so that an unchecked long sequence cannot read past its index row
-            w_slot = tl.load(idx_row + col * idx_stride_s, mask=col < IDX_COLS, other=-1).to(tl.int64)
-            w_ok = valid & (w_slot >= 0) & (w_slot < P_write)
-            tl.store(ht + w_slot * ht_row_stride + offs_s,
-                     round_to_bf16_if(S, ROUND_STORE).to(ht.dtype.element_ty), mask=mask_s & w_ok)
-        if WRITE == 2:
-            tl.store(ht + t * ht_row_stride + offs_s,
-                     round_to_bf16_if(S, ROUND_STORE).to(ht.dtype.element_ty), mask=mask_s & (t < P_write))
-        t += 1
-
-    if WRITE == 0:
-        tl.store(ht + slot * ht_row_stride + offs_s,
-                 round_to_bf16_if(S, ROUND_STORE).to(ht.dtype.element_ty), mask=mask_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,7 +139,7 @@ def launch_pool_recurrent(q, k, v, g, beta, o, opts: KDAOptions, *, h0, ht, stat
         idx_strides, idx_cols = tuple(idx.stride()), idx.shape[1]
     round_store = ht is not None and ht.dtype == torch.bfloat16 and not round_state
     dummy = q  # pointer for absent optional tensors; never dereferenced (constexpr flags)
-    _pool_recurrent_kernel[(N * HV, triton.cdiv(V, BV))](
+    _recurrent_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta,
         A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         h0 if h0 is not None else dummy, ht if ht is not None else dummy,
@@ -232,7 +150,7 @@ def launch_pool_recurrent(q, k, v, g, beta, o, opts: KDAOptions, *, h0, ht, stat
         h0.stride(0) if h0 is not None else 0, ht.stride(0) if ht is not None else 0,
         idx_strides[0], idx_strides[1], acc.stride(0) if acc is not None else 0,
         H=H, HV=HV, K=K, V=V, IDX_COLS=idx_cols, BK=BK, BV=BV,
-        HAS_INDICES=idx is not None, USE_H0=h0 is not None, WRITE=write, HAS_ACCEPTED=acc is not None,
+        HAS_INDICES=idx is not None, USE_H0=h0 is not None, WRITE=write, OUT=OUT_O, HAS_ACCEPTED=acc is not None,
         ROUND_STATE=round_state, ROUND_STORE=round_store, IS_VARLEN=cu_seqlens is not None,
         NATIVE_ROUND=not triton_interpreting(), **opts.recurrent_constexprs(), num_warps=num_warps,
     )
@@ -582,14 +500,8 @@ def _check_serving_args(q, k, v, g, beta, A_log, dt_bias, shape, initial_state, 
                              f"{', '.join(map(str, inner))}], got {list(initial_state.shape)}")
         check_state_rows("initial_state", initial_state)
     for name, t in (("ssm_state_indices", idx), ("num_accepted_tokens", acc)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in INDEX_DTYPES:
-            raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
-        if t.device != device:
-            raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+        if t is not None:
+            check_index_tensor(name, t, device)
     if idx is not None and (idx.dim() not in (1, 2) or idx.shape[0] != N):
         raise ValueError(f"ssm_state_indices must be [N] or [N, S] with N={N} sequences, got {list(idx.shape)}")
     if acc is not None and tuple(acc.shape) != (N,):
@@ -672,17 +584,9 @@ def _check_pool(pool, state_indices, num_accepted_tokens, shape, cu_seqlens, dev
     if pool.device != device:
         raise ValueError(f"state_pool must be on q's device {device}, got {pool.device}")
     check_state_rows("state_pool", pool)
-    if not isinstance(state_indices, torch.Tensor):
-        raise TypeError(f"state_indices must be a torch.Tensor, got {type(state_indices).__name__}")
-    for name, t in (("state_indices", state_indices), ("num_accepted_tokens", num_accepted_tokens)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in INDEX_DTYPES:
-            raise TypeError(f"{name} must be int32 (or int64), got {t.dtype}")
-        if t.device != pool.device:
-            raise ValueError(f"{name} must be on the pool's device {pool.device}, got {t.device}")
+    check_index_tensor("state_indices", state_indices, pool.device, "the pool's device")
+    if num_accepted_tokens is not None:
+        check_index_tensor("num_accepted_tokens", num_accepted_tokens, pool.device, "the pool's device")
     if state_indices.dim() not in (1, 2) or state_indices.shape[0] != shape.N:
         raise ValueError(f"state_indices must be [N] or [N, S] with N={shape.N} sequences, got {list(state_indices.shape)}")
     if state_indices.dim() == 2 and cu_seqlens is None and state_indices.shape[1] < shape.T:

@@ -1,7 +1,7 @@
 """The one-token decode step over a state pool: ``kda_decode``'s most frequent call, on its own kernel.
 
-The math is the pool kernel's (``decode.py``) for one token per sequence, read and written in place
-to row ``state_indices[n]`` of a value-first pool ``[P, HV, V, K]`` (docs/spec.md §2.1)::
+The math is the recurrence kernel's (``recurrent_forward._recurrent_kernel``, "the pool kernel" below, which
+``decode.py`` launches; both call ``state_tile_step``) for one token per sequence, read and written in place to row ``state_indices[n]`` of a value-first pool ``[P, HV, V, K]`` (docs/spec.md §2.1)::
 
     S'  = S Diag(exp(a))        (S^T tile [BV, K], fp32)
     u   = beta (v - S' k)
@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.ops.kda.chunk_common import round_to_bf16, round_to_bf16_if
-from kdakit.ops.kda.recurrent_forward import MAX_HEAD_DIM, token_activations
+from kdakit.ops.kda.chunk_common import round_to_bf16_if
+from kdakit.ops.kda.recurrent_forward import MAX_HEAD_DIM, state_tile_step, token_activations
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -54,28 +54,6 @@ def step_kernel_applies(*, T: int, cu_seqlens, state_indices, h0, ht, write_fina
     return (T == 1 and cu_seqlens is None and state_indices is not None and state_indices.dim() == 1
             and h0 is not None and h0 is ht and write_final_to_read_row and state_v_first
             and K == triton.next_power_of_2(K) and K <= MAX_HEAD_DIM and V % bv == 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# One token on an S^T tile (shared with decode.py's pool kernel)
-# ---------------------------------------------------------------------------------------------
-
-@triton.jit
-def state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE: tl.constexpr, NATIVE_ROUND: tl.constexpr):
-    """One token's update of an S^T tile [BV, K] (fp32) and its output rows [BV]: decay, delta rule, the bf16
-    pool's rounding when ROUND_STATE, then ``o = scale * S q``. -> (S, o)"""
-    S = S * tl.exp(b_a)[None, :]                                                          # S' = S D
-    b_u = b_beta * (b_v - tl.sum(S * b_k[None, :], axis=1))                               # [BV]
-    S = S + b_u[:, None] * b_k[None, :]
-    if ROUND_STATE:
-        if NATIVE_ROUND:
-            # the GPU's round-to-nearest-even cast (one instruction per two elements); the integer recipe, which
-            # the interpreter needs, gives the same bits for finite values and made a one-token bf16 step at
-            # N = 64 1 % slower (43.3 vs 42.8 us in the loop-free prototype, results/dev_decode_tiles_h200.json)
-            S = S.to(tl.bfloat16).to(tl.float32)
-        else:
-            S = round_to_bf16(S)
-    return S, scale * tl.sum(S * b_q[None, :], axis=1)                                    # [BV]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +94,7 @@ def _pool_step_kernel(
 
     b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, offs_k < K,
                                               lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
-    S, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE, NATIVE_ROUND)
+    S, _, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE, NATIVE_ROUND)
     tl.store(o + (i_n * HV + i_hv) * V + offs_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty))
     tl.store(row + offs_s, round_to_bf16_if(S, ROUND_STORE).to(pool.dtype.element_ty), mask=valid,
              cache_modifier=".cs")

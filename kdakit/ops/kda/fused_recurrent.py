@@ -1,8 +1,9 @@
 """The public recurrent KDA op ``fused_recurrent_kda`` and its autograd Function.
 
-The kernels live in ``recurrent_forward.py`` (forward, per-token Triton functions),
-``recurrent_backward_kernels.py`` / ``recurrent_backward_segmented.py`` (backward) and
-``decode.py`` (the serving arguments' pool kernel); this module is the top of that layering
+The kernels live in ``recurrent_forward.py`` (the recurrence kernel of every recurrent path, per-token
+Triton functions), ``recurrent_backward_kernels.py`` / ``recurrent_backward_segmented.py`` (backward) and
+``decode_step.py`` (one-token decode steps); ``decode.py`` launches the recurrence for the serving
+arguments' pools. This module is the top of that layering
 and imports all of them (none imports it). The forward saves nothing for backward except
 the inputs: the backward recomputes the recurrence from the initial state.
 

@@ -20,10 +20,11 @@ from ``rowsum(dS_{t-1} * S_{t-1}) = da_t + q_{t-1} * dq_{t-1}``)::
     da_t = rowsum(dht * S_T) + sum_{s >= t} (q_s * dq_s - k_s * (X_s + Y_s))
 
 so no pass needs the state and its adjoint at the same token. Three passes over the
-tokens, each a program per ``(V-block, sequence, value head)`` holding one ``[BK, BV]``
-fp32 tile (grid ``(N * HV, cdiv(V, BV))``):
+tokens, each a program per ``(V-block, sequence, value head)`` holding one fp32 tile of V-block
+x K (grid ``(N * HV, cdiv(V, BV))``; the replays hold ``S^T`` [BV, BK] and step it with the
+recurrence's own ``delta_rule_tile``, the reverse pass holds ``dS`` [BK, BV]):
 
-1. replay (forward kernel of ``recurrent_forward.py`` with ``STORE_U``): ``u_t``;
+1. replay (the recurrence kernel of ``recurrent_forward.py`` writing ``u_t``, ``OUT_U``): ``u_t``;
 2. reverse: ``dS`` from ``dht`` back to ``dh0``; writes ``dv``, ``du_t`` (over ``u_t``), ``X_t``;
 3. replay with the adjoint terms: ``dq_t``, ``dk_t``, ``Z_t = q*dq - k*(X+Y)``, ``dbeta_t``
    and ``rowsum(dht * S_T)``, each a partial sum over its V-block.

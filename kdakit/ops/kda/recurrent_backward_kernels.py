@@ -19,11 +19,13 @@ from kdakit.ops.kda.chunk_common import GATE_NONE, gate_log_decay_bwd, l2norm_ro
 from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.recurrent_forward import (
     beta_value,
+    delta_rule_tile,
     key_value_offsets,
     launch_recurrent_forward,
     load_qk_token,
     log_decay,
     program_sequence,
+    state_row_tile,
     state_tile,
 )
 from kdakit.ops.kda.workspace import Workspace, check_out
@@ -113,14 +115,18 @@ def _recurrent_bwd_replay_kernel(
     USE_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr, STATE_V_FIRST: tl.constexpr,
     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
 ):
-    """Pass 3: the forward again, with du_t and X_t from pass 2; V-block partials of dq, dk, Z, dbeta."""
+    """Pass 3: the forward again, with du_t and X_t from pass 2; V-block partials of dq, dk, Z, dbeta.
+
+    The state is the recurrence kernel's S^T tile [BV, BK] stepped by its own ``delta_rule_tile``, so a replay
+    from a checkpoint the forward wrote (the segmented backward) continues with the forward's bits."""
     i_n, i_hv, i_h, i_v, bos, eos = program_sequence(cu_seqlens, T, H, HV, IS_VARLEN)
     offs_k, offs_v, mask_k, mask_v = key_value_offsets(i_v, K, V, BK, BV)
-    mask_s, state_base, offs_s = state_tile(i_n, i_hv, offs_k, offs_v, mask_k, mask_v, HV, K, V, STATE_V_FIRST)
+    mask_s = mask_v[:, None] & mask_k[None, :]                                            # [BV, BK]
+    offs_s = (i_n * HV).to(tl.int64) * K * V + state_row_tile(i_hv, offs_k, offs_v, HV, K, V, STATE_V_FIRST)
 
-    S = tl.zeros([BK, BV], dtype=tl.float32)                                              # [BK, BV]
+    S = tl.zeros([BV, BK], dtype=tl.float32)                                              # S^T tile
     if USE_H0:
-        S += tl.load(h0 + state_base + offs_s, mask=mask_s, other=0.0).to(tl.float32)
+        S += tl.load(h0 + offs_s, mask=mask_s, other=0.0).to(tl.float32)
 
     t = bos
     while t < eos:
@@ -137,12 +143,10 @@ def _recurrent_bwd_replay_kernel(
         b_du = tl.load(ud + hv_row * V + offs_v, mask=mask_v, other=0.0)                  # [BV]
         b_x = tl.load(dk_part + part_row + offs_k, mask=mask_k, other=0.0)                # [BK] X_t
 
-        S = S * tl.exp(b_a)[:, None]                                                      # S'
-        b_r = b_v - tl.sum(S * b_k[:, None], axis=0)                                      # [BV] v - S'^T k
-        b_y = b_beta * tl.sum(S * b_du[None, :], axis=1)                                  # [BK]
+        S_dec, S, b_r, _ = delta_rule_tile(S, b_k, b_v, b_a, b_beta)                      # S', S, v - S' k
+        b_y = b_beta * tl.sum(S_dec * b_du[:, None], axis=0)                              # [BK]
         b_dbeta = tl.sum(b_du * b_r, axis=0)
-        S = S + b_k[:, None] * (b_beta * b_r)[None, :]
-        b_dq = scale * tl.sum(S * b_do[None, :], axis=1)                                  # [BK]
+        b_dq = scale * tl.sum(S * b_do[:, None], axis=0)                                  # [BK]
 
         tl.store(dq_part + part_row + offs_k, b_dq, mask=mask_k)
         tl.store(dk_part + part_row + offs_k, b_x - b_y, mask=mask_k)
@@ -151,9 +155,9 @@ def _recurrent_bwd_replay_kernel(
         t += 1
 
     if HAS_DHT:
-        b_dht = tl.load(dht + state_base + offs_s, mask=mask_s, other=0.0).to(tl.float32)
+        b_dht = tl.load(dht + offs_s, mask=mask_s, other=0.0).to(tl.float32)
         tl.store(term_part + ((i_v * (tl.num_programs(0) // HV) + i_n) * HV + i_hv) * K + offs_k,
-                 tl.sum(b_dht * S, axis=1), mask=mask_k)
+                 tl.sum(b_dht * S, axis=0), mask=mask_k)
 
 
 @triton.jit(do_not_specialize=["T", "TT"])

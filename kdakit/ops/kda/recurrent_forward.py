@@ -11,19 +11,19 @@ Per sequence, value head and token (docs/spec.md §2.1; state ``S`` is ``[K, V]`
 with ``q_t, k_t`` l2-normalized, ``a_t`` the gate and ``beta_t`` the (sigmoid) beta when
 the in-kernel options ask for it.
 
-Kernel layout: grid ``(N * HV, cdiv(V, BV))``; each program keeps ``S[:, v-block]`` as a
-``[BK, BV]`` fp32 tile in registers (``BK = next_pow2(K)``, so K <= 256) and walks its
-sequence's tokens. V columns evolve independently, so programs never communicate. Token
-tensors are read in FLA's token-major layout (``q [B, T, H, K]``...); states in either
-``[N, HV, K, V]`` or value-first ``[N, HV, V, K]`` layout.
-
-The same kernel, with ``STORE_U``, replays the forward for the backward
-(``kdakit/ops/kda/recurrent_backward_kernels.py``) and writes ``u_t`` instead of ``o_t``. The
-forward saves nothing for backward except the inputs: the backward recomputes the
-recurrence from the initial state.
+The kernel (``_recurrent_kernel``) is the one recurrence of every recurrent path: ``fused_recurrent_kda``'s
+forward, the backward's replays (``u_t`` instead of ``o_t``, and the segment checkpoints) and the serving
+entry points of ``decode.py`` (state pools read and written through row indices). Grid ``(N * HV,
+cdiv(V, BV))``; each program keeps ``S^T[v-block, :]`` as a ``[BV, BK]`` fp32 tile in registers
+(``BK = next_pow2(K)``, so K <= 256) and walks its sequence's tokens. V rows evolve independently, so
+programs never communicate. Token tensors are read in FLA's token-major layout (``q [B, T, H, K]``...);
+states in either ``[., HV, K, V]`` or value-first ``[., HV, V, K]`` rows. Constexpr flags choose where
+states are read and written (``WRITE_*``), which per-token row is written (``OUT_*``: ``o_t`` or ``u_t``)
+and the bf16 pool's rounding (``decode.py``'s docstring has the serving semantics). The forward saves
+nothing for backward except the inputs: the backward recomputes the recurrence from the initial state.
 
 Layering (no module imports one that imports it back): this module imports no other recurrent
-module; ``recurrent_backward_kernels``, ``recurrent_backward_segmented`` and ``decode`` build on
+module; ``recurrent_backward_kernels``, ``recurrent_backward_segmented``, ``decode_step`` and ``decode`` build on
 it, and ``recurrent_backward`` / ``fused_recurrent`` (the public ops, autograd) on all of them.
 ``options`` (a call's ``KDAOptions``) imports its beta modes, so the launcher here takes that object
 without importing its class.
@@ -31,16 +31,18 @@ without importing its class.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk_common import l2norm_rstd, seq_bounds, softplus_fp32
+from kdakit.ops.kda.backend import triton_interpreting
+from kdakit.ops.kda.chunk_common import l2norm_rstd, round_to_bf16, round_to_bf16_if, seq_bounds, softplus_fp32
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------
 
-MAX_HEAD_DIM = 256          # BK = next_pow2(K) lives in registers with a [BK, BV] state tile
+MAX_HEAD_DIM = 256          # BK = next_pow2(K) lives in registers with a [BV, BK] state tile
 # State columns per program and warps: on the H200 (B=4, T=1024, H=16, K=V=128) [128, 16] tiles
 # with 4 warps ran the forward in 1.14 ms against 1.56 ms for [128, 32] (more programs in flight).
 FWD_BLOCK_V = 16
@@ -196,29 +198,100 @@ def token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, mask_
 
 
 # ---------------------------------------------------------------------------------------------
+# One token on an S^T tile (shared with decode_step.py's kernel)
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def delta_rule_tile(S, b_k, b_v, b_a, b_beta):
+    """One token's delta rule on an S^T tile [BV, K] (fp32), the recurrence's own and the backward replay's.
+    -> (S' = S D, S' + u k^T, r = v - S' k, u = beta r)"""
+    S_dec = S * tl.exp(b_a)[None, :]                                                      # S' = S D
+    b_r = b_v - tl.sum(S_dec * b_k[None, :], axis=1)                                      # [BV]
+    b_u = b_beta * b_r
+    return S_dec, S_dec + b_u[:, None] * b_k[None, :], b_r, b_u
+
+
+@triton.jit
+def state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE: tl.constexpr, NATIVE_ROUND: tl.constexpr):
+    """One token's update of an S^T tile [BV, K] (fp32) and its output rows [BV]: the delta rule, the bf16
+    pool's rounding when ROUND_STATE, then ``o = scale * S q``. -> (S, u, o)"""
+    _, S, _, b_u = delta_rule_tile(S, b_k, b_v, b_a, b_beta)
+    if ROUND_STATE:
+        if NATIVE_ROUND:
+            # the GPU's round-to-nearest-even cast (one instruction per two elements); the integer recipe, which
+            # the interpreter needs, gives the same bits for finite values and made a one-token bf16 step at
+            # N = 64 1 % slower (43.3 vs 42.8 us in the loop-free prototype, results/dev_decode_tiles_h200.json)
+            S = S.to(tl.bfloat16).to(tl.float32)
+        else:
+            S = round_to_bf16(S)
+    return S, b_u, scale * tl.sum(S * b_q[None, :], axis=1)                               # [BV]
+
+
+@triton.jit
+def state_row_tile(i_hv, offs_k, offs_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   STATE_V_FIRST: tl.constexpr):
+    """Offsets [BV, BK] of value head ``i_hv``'s S^T tile within one state row: ``[HV, V, K]`` (value-first) or
+    ``[HV, K, V]``."""
+    if STATE_V_FIRST:
+        offs_s = (i_hv * V + offs_v[:, None]) * K + offs_k[None, :]                       # [BV, BK]
+    else:
+        offs_s = (i_hv * K + offs_k[None, :]) * V + offs_v[:, None]
+    return offs_s
+
+
+# ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["T"])
-def _recurrent_fwd_kernel(
-    q, k, v, g, beta, A_log, dt_bias, h0, o, ht, u_out, cu_seqlens,
-    scale, lower_bound, T,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+# Where a program writes states (constexpr WRITE):
+WRITE_FINAL_TO_READ_ROW = 0  # the final state to the row it read (the forward's final state; kda_decode [N])
+WRITE_PER_TOKEN_ROWS = 1     # the state after token j to row indices[n, j] (kda_decode [N, S]; FLA in place)
+WRITE_PER_TOKEN_PACKED = 2   # the state after packed token t to row t of ht (FLA with indices, not in place)
+WRITE_NONE = 3
+# Which per-token row a program writes to ``out`` (constexpr OUT):
+OUT_NONE = 0
+OUT_O = 1  # o_t, in out's dtype (the forward, the serving paths)
+OUT_U = 2  # u_t, fp32 (the backward's replay)
+
+
+@triton.jit(do_not_specialize=["T", "P_read", "P_write"])
+def _recurrent_kernel(
+    q, k, v, g, beta, A_log, dt_bias, h0, ht, state_indices, num_accepted, out, cu_seqlens,
+    scale, lower_bound, T, P_read, P_write, h0_row_stride, ht_row_stride, idx_stride_n, idx_stride_s, acc_stride,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IDX_COLS: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr, STORE_U: tl.constexpr,
-    IS_VARLEN: tl.constexpr, STATE_V_FIRST: tl.constexpr, L2NORM: tl.constexpr,
-    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
+    HAS_INDICES: tl.constexpr, USE_H0: tl.constexpr, WRITE: tl.constexpr, OUT: tl.constexpr,
+    HAS_ACCEPTED: tl.constexpr, ROUND_STATE: tl.constexpr, ROUND_STORE: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+    IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BETA: tl.constexpr, NATIVE_ROUND: tl.constexpr,
 ):
     i_n, i_hv, i_h, i_v, bos, eos = program_sequence(cu_seqlens, T, H, HV, IS_VARLEN)
     offs_k, offs_v, mask_k, mask_v = key_value_offsets(i_v, K, V, BK, BV)
-    mask_s, state_base, offs_s = state_tile(i_n, i_hv, offs_k, offs_v, mask_k, mask_v, HV, K, V, STATE_V_FIRST)
-
-    # token bos's inputs are requested before the state, then each iteration requests the next token's
+    # the first token's inputs are requested before the row index and the state that depends on it
     n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, bos, eos, i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
                                              H, HV, K, V)
-    S = tl.zeros([BK, BV], dtype=tl.float32)                                              # [BK, BV]
+
+    idx_row = state_indices + i_n.to(tl.int64) * idx_stride_n
+    slot = i_n.to(tl.int64)  # without indices, sequence n owns row n
+    valid = slot >= 0        # true: with no state to read there is no read row to check
     if USE_H0:
-        S += tl.load(h0 + state_base + offs_s, mask=mask_s, other=0.0).to(tl.float32)
+        if HAS_INDICES:
+            if HAS_ACCEPTED:
+                # clamped so that an unchecked bad count cannot read outside this sequence's row
+                read_col = tl.load(num_accepted + i_n.to(tl.int64) * acc_stride).to(tl.int64) - 1
+                read_col = tl.minimum(tl.maximum(read_col, 0), IDX_COLS - 1)
+            else:
+                read_col = 0
+            slot = tl.load(idx_row + read_col * idx_stride_s).to(tl.int64)
+        # -1 marks a padded sequence (kda_decode); out-of-range rows are treated the same so
+        # that an unchecked bad index can never touch memory outside the pool.
+        valid = (slot >= 0) & (slot < P_read)
+
+    mask_s = (mask_v[:, None] & mask_k[None, :]) & valid                                  # [BV, BK]
+    offs_s = state_row_tile(i_hv, offs_k, offs_v, HV, K, V, STATE_V_FIRST)                # [BV, BK]
+    S = tl.zeros([BV, BK], dtype=tl.float32)                                              # S^T tile
+    if USE_H0:
+        S += tl.load(h0 + slot * h0_row_stride + offs_s, mask=mask_s, other=0.0).to(tl.float32)
 
     # while, not range(): the interpreter cannot take range() of a program-dependent bound.
     t = bos
@@ -230,18 +303,27 @@ def _recurrent_fwd_kernel(
         b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, mask_k,
                                                   lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
 
-        S = S * tl.exp(b_a)[:, None]                                                      # S' = D S
-        b_u = b_beta * (b_v - tl.sum(S * b_k[:, None], axis=0))                           # [BV]
-        S = S + b_k[:, None] * b_u[None, :]
-        if STORE_U:
-            tl.store(u_out + hv_row * V + offs_v, b_u, mask=mask_v)
-        if STORE_O:
-            b_o = scale * tl.sum(S * b_q[:, None], axis=0)                                # [BV]
-            tl.store(o + hv_row * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+        S, b_u, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE, NATIVE_ROUND)
+        if OUT == 1:
+            b_o = tl.where(valid, b_o, 0.0)
+            tl.store(out + hv_row * V + offs_v, b_o.to(out.dtype.element_ty), mask=mask_v)
+        if OUT == 2:
+            tl.store(out + hv_row * V + offs_v, b_u.to(out.dtype.element_ty), mask=mask_v)
+        if WRITE == 1:
+            col = t - bos
+            # masked so that an unchecked long sequence cannot read past its index row
+            w_slot = tl.load(idx_row + col * idx_stride_s, mask=col < IDX_COLS, other=-1).to(tl.int64)
+            w_ok = valid & (w_slot >= 0) & (w_slot < P_write)
+            tl.store(ht + w_slot * ht_row_stride + offs_s,
+                     round_to_bf16_if(S, ROUND_STORE).to(ht.dtype.element_ty), mask=mask_s & w_ok)
+        if WRITE == 2:
+            tl.store(ht + t * ht_row_stride + offs_s,
+                     round_to_bf16_if(S, ROUND_STORE).to(ht.dtype.element_ty), mask=mask_s & (t < P_write))
         t += 1
 
-    if STORE_HT:
-        tl.store(ht + state_base + offs_s, S.to(ht.dtype.element_ty), mask=mask_s)
+    if WRITE == 0:
+        tl.store(ht + slot * ht_row_stride + offs_s,
+                 round_to_bf16_if(S, ROUND_STORE).to(ht.dtype.element_ty), mask=mask_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,31 +343,34 @@ def launch_recurrent_forward(
     q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, N, opts, o=None,
     final_state=None, u=None, block_v: int = FWD_BLOCK_V, num_warps: int = FWD_NUM_WARPS,
 ) -> None:
-    """Launch the forward kernel; writes ``o`` (v's dtype), ``final_state`` and/or ``u`` (fp32) when given.
+    """Launch the recurrence for the forward; writes ``o`` (v's dtype) or ``u`` (fp32), and ``final_state``,
+    when given. Dense ``[N, HV, K, V]`` (value-first: ``[N, HV, V, K]``) initial / final states, row n for
+    sequence n.
 
     ``opts``: the call's ``options.KDAOptions`` (not imported here: options.py builds on this module's
     beta modes). ``A_log`` / ``dt_bias``: None unless the gate is in the kernel (``opts.has_A_log``,
     ``opts.has_dt_bias``). ``cu_seqlens`` and ``N`` are the launch's own (a segment of the backward has
     its own offsets)."""
+    if o is not None and u is not None:
+        raise ValueError("launch_recurrent_forward writes o or u, not both (one per-token output row)")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), block_v)
-    grid = (N * HV, triton.cdiv(V, BV))
+    out = o if o is not None else u
+    h0, ht = initial_state, final_state
     dummy = q  # pointer for absent optional tensors; never dereferenced (constexpr flags)
-    _recurrent_fwd_kernel[grid](
+    _recurrent_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, v, g, beta,
-        A_log if A_log is not None else dummy,
-        dt_bias if dt_bias is not None else dummy,
-        initial_state if initial_state is not None else dummy,
-        o if o is not None else dummy,
-        final_state if final_state is not None else dummy,
-        u if u is not None else dummy,
-        cu_seqlens if cu_seqlens is not None else dummy,
-        opts.scale, opts.kernel_lower_bound, T,
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        USE_H0=initial_state is not None, STORE_HT=final_state is not None,
-        STORE_O=o is not None, STORE_U=u is not None,
-        IS_VARLEN=cu_seqlens is not None, **opts.recurrent_constexprs(),
+        A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+        h0 if h0 is not None else dummy, ht if ht is not None else dummy, dummy, dummy,
+        out if out is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy,
+        opts.scale, opts.kernel_lower_bound, T, N if h0 is not None else 0, N if ht is not None else 0,
+        h0.stride(0) if h0 is not None else 0, ht.stride(0) if ht is not None else 0, 0, 0, 0,
+        H=H, HV=HV, K=K, V=V, IDX_COLS=1, BK=BK, BV=BV,
+        HAS_INDICES=False, USE_H0=h0 is not None, WRITE=WRITE_FINAL_TO_READ_ROW if ht is not None else WRITE_NONE,
+        OUT=OUT_O if o is not None else (OUT_U if u is not None else OUT_NONE), HAS_ACCEPTED=False,
+        ROUND_STATE=False, ROUND_STORE=ht is not None and ht.dtype == torch.bfloat16,
+        IS_VARLEN=cu_seqlens is not None, NATIVE_ROUND=not triton_interpreting(), **opts.recurrent_constexprs(),
         num_warps=num_warps,
     )

@@ -267,6 +267,17 @@ def validate_kda_inputs(
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def check_index_tensor(name: str, t, device, where: str = "q's device") -> None:
+    """An index tensor's type, dtype and device (``state_indices``, ``ssm_state_indices``,
+    ``num_accepted_tokens``); its shape is the caller's to check."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 tensor (or int64), got {type(t).__name__}")
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be an int32 tensor (or int64), got {str(t.dtype).replace('torch.', '')}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {where} {device}, got {t.device}")
+
+
 def check_state_pool(pool, state_indices, shape: KDAShape, *, state_v_first: bool, device,
                      check_values: bool = True) -> list[int] | None:
     """``chunk_kda``'s state-pool arguments, after ``validate_kda_inputs`` gave ``shape``.
@@ -299,16 +310,10 @@ def check_state_pool(pool, state_indices, shape: KDAShape, *, state_v_first: boo
     if pool.dim() != 4 or tuple(pool.shape[1:]) != inner:
         raise ValueError(f"initial_state (the state pool) must have shape {layout} = "
                          f"[P, {', '.join(map(str, inner))}], got {_shape(pool)}")
-    if not isinstance(state_indices, torch.Tensor):
-        raise TypeError(f"state_indices must be an int32 tensor (or int64), got {type(state_indices).__name__}")
-    if state_indices.dtype not in INDEX_DTYPES:
-        raise TypeError(f"state_indices must be an int32 tensor (or int64), "
-                        f"got {str(state_indices.dtype).replace('torch.', '')}")
+    check_index_tensor("state_indices", state_indices, pool.device, "the pool's device")
     if tuple(state_indices.shape) != (shape.N,):
         raise ValueError(f"state_indices must have shape [N] = [{shape.N}] (one pool row per sequence), "
                          f"got {_shape(state_indices)}")
-    if state_indices.device != pool.device:
-        raise ValueError(f"state_indices must be on the pool's device {pool.device}, got {state_indices.device}")
     if not check_values:
         return None
     return check_pool_rows("state_indices", state_indices, pool.shape[0])  # the one host read of the pool path

@@ -240,8 +240,8 @@ def _as_strided_pool(stride0):
 BAD = {
     "idx-length": (dict(ssm_state_indices=_i32([0])), ValueError, r"^ssm_state_indices must be \[N\] or \[N, S\]"),
     "idx-3d": (dict(ssm_state_indices=_i32([[[0]], [[1]]])), ValueError, r"^ssm_state_indices must be \[N\]"),
-    "idx-dtype": (dict(ssm_state_indices=torch.tensor([0.0, 1.0])), TypeError, "^ssm_state_indices must be int32"),
-    "idx-type": (dict(ssm_state_indices=[0, 1]), TypeError, "^ssm_state_indices must be a torch.Tensor"),
+    "idx-dtype": (dict(ssm_state_indices=torch.tensor([0.0, 1.0])), TypeError, r"^ssm_state_indices must be an int32 tensor \(or int64\), got float32"),
+    "idx-type": (dict(ssm_state_indices=[0, 1]), TypeError, r"^ssm_state_indices must be an int32 tensor \(or int64\), got list"),
     "accepted-length": (dict(ssm_state_indices=_i32([[0, 1], [2, 3]]), num_accepted_tokens=_i32([1])), ValueError,
                         r"^num_accepted_tokens must have shape \[N\] = \[2\]"),
     "accepted-without-idx": (dict(num_accepted_tokens=_i32([1, 1])), ValueError, "needs ssm_state_indices"),
