@@ -62,6 +62,23 @@ class KDAGrads(NamedTuple):
 # Kernels
 # ---------------------------------------------------------------------------------------------
 
+@triton.jit
+def load_token(q, k, g, beta, A_log, dt_bias, t, i_h, i_hv, offs_k, mask_k, lower_bound,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+               L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+               BETA: tl.constexpr):
+    """Token t's q, k [BK] (l2-normalized when asked), log-decay a [BK] and beta, as both token passes read
+    them (in place, where the forward requests them one token ahead). -> (q, k, a, beta)"""
+    qk_row = (t * H + i_h) * K
+    hv_row = t * HV + i_hv
+    b_q = load_qk_token(q + qk_row, offs_k, mask_k, L2NORM)                               # [BK]
+    b_k = load_qk_token(k + qk_row, offs_k, mask_k, L2NORM)                               # [BK]
+    b_g = tl.load(g + hv_row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    b_a = log_decay(b_g, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound, K, GATE, HAS_A, HAS_BIAS)
+    b_beta = beta_value(tl.load(beta + hv_row).to(tl.float32), BETA)
+    return b_q, b_k, b_a, b_beta
+
+
 @triton.jit(do_not_specialize=["T", "TT"])
 def _recurrent_bwd_reverse_kernel(
     q, k, g, beta, A_log, dt_bias, do, dht, ud, dv, dh0, x_part, cu_seqlens,
@@ -83,13 +100,9 @@ def _recurrent_bwd_reverse_kernel(
     # while loops: the interpreter cannot take range() of a program-dependent bound.
     t = eos - 1
     while t >= bos:
-        qk_row = (t * H + i_h) * K
         hv_row = t * HV + i_hv
-        b_q = load_qk_token(q + qk_row, offs_k, mask_k, L2NORM)                           # [BK]
-        b_k = load_qk_token(k + qk_row, offs_k, mask_k, L2NORM)                           # [BK]
-        b_g = tl.load(g + hv_row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        b_a = log_decay(b_g, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound, K, GATE, HAS_A, HAS_BIAS)
-        b_beta = beta_value(tl.load(beta + hv_row).to(tl.float32), BETA)
+        b_q, b_k, b_a, b_beta = load_token(q, k, g, beta, A_log, dt_bias, t, i_h, i_hv, offs_k, mask_k, lower_bound,
+                                           H, HV, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
         b_do = tl.load(do + hv_row * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)   # [BV]
         b_u = tl.load(ud + hv_row * V + offs_v, mask=mask_v, other=0.0)                   # [BV] fp32
 
@@ -130,14 +143,10 @@ def _recurrent_bwd_replay_kernel(
 
     t = bos
     while t < eos:
-        qk_row = (t * H + i_h) * K
         hv_row = t * HV + i_hv
         part_row = ((i_v * TT + t) * HV + i_hv) * K
-        b_q = load_qk_token(q + qk_row, offs_k, mask_k, L2NORM)                           # [BK]
-        b_k = load_qk_token(k + qk_row, offs_k, mask_k, L2NORM)                           # [BK]
-        b_g = tl.load(g + hv_row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        b_a = log_decay(b_g, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound, K, GATE, HAS_A, HAS_BIAS)
-        b_beta = beta_value(tl.load(beta + hv_row).to(tl.float32), BETA)
+        b_q, b_k, b_a, b_beta = load_token(q, k, g, beta, A_log, dt_bias, t, i_h, i_hv, offs_k, mask_k, lower_bound,
+                                           H, HV, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
         b_v = tl.load(v + hv_row * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)     # [BV]
         b_do = tl.load(do + hv_row * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)   # [BV]
         b_du = tl.load(ud + hv_row * V + offs_v, mask=mask_v, other=0.0)                  # [BV]
