@@ -188,12 +188,27 @@ def _embed_rows(Xs, I, C: tl.constexpr, SUBC: tl.constexpr):
 
 
 @triton.jit
-def _sub_gate(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, expA, lower_bound,
-              SUBC: tl.constexpr, BKS: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-              stride_bias):
-    """Log-decay of one sub-chunk and key slice ``[SUBC, BKS]`` (0 on padded rows/columns)."""
-    return load_gate(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, expA, lower_bound,
-                     SUBC, BKS, GATE, HAS_BIAS, stride_bias)
+def _sub_row_scales(rx, ry, I, C: tl.constexpr, SUBC: tl.constexpr):
+    """The l2norm scales ``rx``, ``ry`` ``[C]`` of sub-chunk I's rows -> (rxi, ryi) ``[SUBC]``."""
+    rows = tl.arange(0, C)
+    sub = tl.arange(0, SUBC)
+    sel = (rows[None, :] == SUBC * I + sub[:, None])  # [SUBC, C]
+    rxi = tl.sum(tl.where(sel, rx[None, :], 0.0), axis=1)  # [SUBC]
+    ryi = tl.sum(tl.where(sel, ry[None, :], 0.0), axis=1)
+    return rxi, ryi
+
+
+@triton.jit
+def _sub_slice(x_base, y_base, rxi, ryi, g_base, bias_ptr, t0, n_rows, stride_x, stride_g, ks, K, expA, lower_bound,
+               stride_bias, SUBC: tl.constexpr, BKS: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One sub-chunk (first row t0) and key slice ``[ks, ks + BKS)`` of the EXACT diagonal blocks, re-read from
+    memory: (xs, ys) the normalized x, y rows and Gs the sub-chunk's own cumsum of the log-decay, all
+    ``[SUBC, BKS]`` (0 on padded rows/columns)."""
+    xs = load_rows(x_base, t0, n_rows, stride_x, ks, K, SUBC, BKS) * rxi[:, None]
+    ys = load_rows(y_base, t0, n_rows, stride_x, ks, K, SUBC, BKS) * ryi[:, None]
+    a_s = load_gate(g_base, bias_ptr, t0, n_rows, stride_g, ks, K, expA, lower_bound, SUBC, BKS, GATE, HAS_BIAS,
+                    stride_bias)
+    return xs, ys, tl.cumsum(a_s, axis=0)
 
 
 @triton.jit
@@ -206,20 +221,14 @@ def pairwise_diag_exact(x_base, y_base, rx, ry, g_base, bias_ptr, t0, n_rows, st
     x_base, y_base: raw rows (q or k); rx, ry ``[C]``: their l2norm scales (1 without l2norm).
     -> ``[C, C]``, zero outside the diagonal blocks.
     """
-    rows = tl.arange(0, C)
-    sub = tl.arange(0, SUBC)
     A = tl.zeros([C, C], dtype=tl.float32)
     for I in tl.static_range(C // SUBC):
-        sel = (rows[None, :] == SUBC * I + sub[:, None])  # [SUBC, C]
-        rxi = tl.sum(tl.where(sel, rx[None, :], 0.0), axis=1)  # [SUBC]
-        ryi = tl.sum(tl.where(sel, ry[None, :], 0.0), axis=1)
+        rxi, ryi = _sub_row_scales(rx, ry, I, C, SUBC)
         blk = tl.zeros([SUBC, SUBC], dtype=tl.float32)
         for ks in tl.static_range(0, BK, BKS):
-            xs = load_rows(x_base, t0 + SUBC * I, n_rows, stride_x, ks, K, SUBC, BKS) * rxi[:, None]
-            ys = load_rows(y_base, t0 + SUBC * I, n_rows, stride_x, ks, K, SUBC, BKS) * ryi[:, None]
-            a_s = _sub_gate(g_base, bias_ptr, t0 + SUBC * I, n_rows, stride_g, ks, K, expA, lower_bound,
-                            SUBC, BKS, GATE, HAS_BIAS, stride_bias)
-            blk += pairwise_exact(xs, ys, tl.cumsum(a_s, axis=0), SUBC, INCLUDE_DIAG)
+            xs, ys, Gs = _sub_slice(x_base, y_base, rxi, ryi, g_base, bias_ptr, t0 + SUBC * I, n_rows, stride_x,
+                                    stride_g, ks, K, expA, lower_bound, stride_bias, SUBC, BKS, GATE, HAS_BIAS)
+            blk += pairwise_exact(xs, ys, Gs, SUBC, INCLUDE_DIAG)
         A += _embed_block(blk, I, C, SUBC)
     return A
 
@@ -280,24 +289,18 @@ def pairwise_diag_exact_bwd(dA, x_base, y_base, rx, ry, g_base, bias_ptr, t0, n_
     Adds to and returns (dx, dy, dG) ``[C, BK]`` (fp32 throughout). Exponentials are of
     within-sub-chunk differences only.
     """
-    rows = tl.arange(0, C)
     sub = tl.arange(0, SUBC)
     cols = tl.arange(0, BK)
     keep = (sub[:, None] > sub[None, :])[:, :, None]  # [SUBC, SUBC, 1] strictly causal
     for I in tl.static_range(C // SUBC):
-        sel = (rows[None, :] == SUBC * I + sub[:, None])  # [SUBC, C]
-        rxi = tl.sum(tl.where(sel, rx[None, :], 0.0), axis=1)
-        ryi = tl.sum(tl.where(sel, ry[None, :], 0.0), axis=1)
+        rxi, ryi = _sub_row_scales(rx, ry, I, C, SUBC)
         dAb = _diag_block(dA, I, C, SUBC)  # [SUBC, SUBC]
         dxI = tl.zeros([SUBC, BK], dtype=tl.float32)
         dyI = tl.zeros([SUBC, BK], dtype=tl.float32)
         dGI = tl.zeros([SUBC, BK], dtype=tl.float32)
         for ks in tl.static_range(0, BK, BKS):
-            xs = load_rows(x_base, t0 + SUBC * I, n_rows, stride_x, ks, K, SUBC, BKS) * rxi[:, None]
-            ys = load_rows(y_base, t0 + SUBC * I, n_rows, stride_x, ks, K, SUBC, BKS) * ryi[:, None]
-            a_s = _sub_gate(g_base, bias_ptr, t0 + SUBC * I, n_rows, stride_g, ks, K, expA, lower_bound,
-                            SUBC, BKS, GATE, HAS_BIAS, stride_bias)
-            Gs = tl.cumsum(a_s, axis=0)  # [SUBC, BKS]
+            xs, ys, Gs = _sub_slice(x_base, y_base, rxi, ryi, g_base, bias_ptr, t0 + SUBC * I, n_rows, stride_x,
+                                    stride_g, ks, K, expA, lower_bound, stride_bias, SUBC, BKS, GATE, HAS_BIAS)
             d = Gs[:, None, :] - Gs[None, :, :]
             E = tl.where(keep, tl.exp(tl.where(keep, d, 0.0)), 0.0)  # [SUBC, SUBC, BKS]
             w = dAb[:, :, None] * E
