@@ -71,8 +71,7 @@ from kdakit.ops.kda.chunk_common import (
     beta_lower_inverse,
     block_size,
     causal_mask,
-    gate_log_decay,
-    gate_log_decay_bwd,
+    gate_log_decay_bwd_floored,
     l2norm_rows,
     l2norm_rows_bwd,
     load_chunk_beta,
@@ -87,6 +86,7 @@ from kdakit.ops.kda.chunk_common import (
     store_row_scalars,
     store_rows,
 )
+from kdakit.ops.kda.chunk_tiles import gate_from_preact
 
 
 
@@ -263,7 +263,9 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
     x = load_rows(g_base, t0, n_rows, s_g, 0, K, C, BK)  # [C, BK] gate pre-activation
     if HAS_BIAS:
         x = x + tl.load(bias_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
-    a = tl.where(m2, gate_log_decay(x, expA, lower_bound, GATE), 0.0)  # [C, BK]
+    # [C, BK]: clamped to >= LOG_DECAY_FLOOR as the forward and the state walks load it (load_chunk_gate), so the
+    # gradient below is the derivative of what they computed and G keeps its precision after a reset-level decay
+    a = gate_from_preact(x, t0, n_rows, 0, K, expA, lower_bound, C, BK, GATE)
     b_raw = load_row_scalars(b_base, t0, n_rows, s_b, C)  # [C]
     b = tl.where(rmask, beta_activation(b_raw, BETA_SIGMOID, NEG_EIGVAL), 0.0)
 
@@ -353,7 +355,7 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
     da = tl.cumsum(dG, axis=0, reverse=True)  # [C, BK]
 
     # ---- token transforms
-    dx, dlog = gate_log_decay_bwd(da, x, expA, lower_bound, GATE)
+    dx, dlog = gate_log_decay_bwd_floored(da, x, a, expA, lower_bound, GATE)  # 0 where the clamp holds
     dx = tl.where(m2, dx, 0.0)
     dA_term = tl.sum(tl.sum(tl.where(m2, dlog, 0.0), axis=1), axis=0)
     ddt_term = tl.sum(dx, axis=0)  # [BK]

@@ -254,8 +254,8 @@ def gate_log_decay_bwd(da, x, expA, lower_bound, GATE: tl.constexpr):
 
 @triton.jit
 def gate_log_decay_bwd_floored(da, x, a, expA, lower_bound, GATE: tl.constexpr):
-    """gate_log_decay_bwd of a log-decay clamped to ``>= LOG_DECAY_FLOOR`` on load (the 64-token pipeline's
-    backward): ``a`` is the clamped value (0 on padded entries), and where the clamp holds the gradient is 0.
+    """gate_log_decay_bwd of a log-decay clamped to ``>= LOG_DECAY_FLOOR`` on load (the backward of both chunk
+    pipelines): ``a`` is the clamped value (0 on padded entries), and where the clamp holds the gradient is 0.
     The lower-bound gate (``a >= lower_bound >= -5``) never reaches the floor."""
     dx, dlog = gate_log_decay_bwd(da, x, expA, lower_bound, GATE)
     if GATE == 1:

@@ -2,7 +2,7 @@
 ``chunk_fwd64.py``, ``chunk_bwd64.py``) on the Triton interpreter: the public chunk_kda's outputs and gradients
 against the float64 naive definition over the option matrix (fp32: round-off only), sequences
 that span several 64-token chunks, several V blocks, GVA, both state layouts; bf16 within the
-docs/spec.md §8 limits; the selector's error."""
+docs/spec.md §8 limits; the selector's error; reset-level log-decays on both pipelines."""
 
 import pytest
 import torch
@@ -11,7 +11,8 @@ import kdakit.ops.kda.chunk_bwd64 as B64
 import kdakit.ops.kda.chunk_fwd64 as F64
 from kdakit import chunk_kda
 from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.testing import SPEC_RMS_LIMITS, compare_with_naive, make_kda_inputs, set_token_options
+from kdakit.testing import (SPEC_RMS_LIMITS, assert_close, compare_with_naive, make_kda_inputs, run_kda,
+                            set_token_options)
 
 pytestmark = pytest.mark.skipif(not triton_interpreting(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
 # fp32 kernels vs float64, measured 5e-7 to 9e-6 (exact fp32 dots under the interpreter); 5x headroom.
@@ -41,13 +42,34 @@ def test_options_match_naive(gate, l2norm, beta_mode):
     _compare(inp)
 
 
-def test_reset_level_log_decays():
-    # log-decays of -1000 are clamped to LOG_DECAY_FLOOR on load; the backward's gradient is 0 where the clamp holds
-    # (chunk_common.gate_log_decay_bwd_floored), which is the float64 gradient: exp(-1000) times anything
+@pytest.mark.parametrize("pipeline", ["chunk64", "windowed"])
+def test_reset_level_log_decays(monkeypatch, pipeline):
+    # Both pipelines clamp log-decays of -1000 to LOG_DECAY_FLOOR on load, and their backwards' gate gradient is 0
+    # where the clamp holds (chunk_common.gate_log_decay_bwd_floored): the float64 gradient, exp(-1000) times
+    # anything. The 16-token (windowed) gradient stage once took the unclamped decay: dg 7.2e-5 against float64
+    # (max 2.0e-7 at the reset tokens), dk 4.5e-5, dv 4.9e-5; clamped: 6.1e-6, 5.2e-6, 7.7e-6 (chunk64: 1.1e-5,
+    # 9.4e-6, 7.1e-6; the two agree within 1.2e-5).
+    monkeypatch.setenv("KDAKIT_CHUNK_PIPELINE", pipeline)
     gen = torch.Generator().manual_seed(13)
     inp = make_kda_inputs(T=100, H=1, HV=1, K=16, V=16, dtype=torch.float32, gate="none", seqlens=[70, 30],
                           initial_state="kv", reset_tokens=0.2, generator=gen)
-    _compare(inp)
+    got = _compare(inp)
+    reset = inp["tensors"]["g"].detach() == -1000.0
+    assert reset.any()
+    assert torch.equal(got["dg"][reset], torch.zeros_like(got["dg"][reset]))
+    # A log-decay of -inf (docs/spec.md §2.7: it forgets the state) loads as the same floor: the same bits. (The
+    # unclamped 16-token gradient stage gave NaN gradients there: exp(G_i - G_j) of two infinite cumsums.)
+    g = inp["tensors"]["g"].detach()
+    forget = dict(inp, tensors=dict(inp["tensors"], g=torch.where(reset, float("-inf"), g).requires_grad_()))
+    for name, x in run_kda(chunk_kda, forget).items():
+        if x is not None:
+            assert torch.equal(x, got[name]), name
+    if pipeline == "windowed":  # and the two pipelines agree
+        monkeypatch.setenv("KDAKIT_CHUNK_PIPELINE", "chunk64")
+        other = run_kda(chunk_kda, inp)
+        for name, x in got.items():
+            if x is not None:
+                assert_close(f"{name}: windowed vs chunk64", other[name], x, FP32_LIMIT)
 
 
 def test_gva_value_first_state_several_v_blocks(monkeypatch):
