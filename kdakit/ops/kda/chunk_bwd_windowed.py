@@ -91,6 +91,22 @@ from kdakit.ops.kda.chunk_tiles import gate_from_preact
 
 
 @triton.jit
+def _safe_qk_kk(q, k, G, C: tl.constexpr, GRAD_OP: tl.constexpr, GRAD_PREC: tl.constexpr):
+    """The SAFE gate's Aqk (causal) and Akk (strictly lower) [C, C] from the mid-chunk-referenced operands, which
+    the window gradient reuses for its own dots, and the factors. -> (Aqk, Akk, qr, kr, ki, eg, egi)
+
+    In the window gradient's order, so that kernel's sm_90a PTX (timed in every speed-table cell) is unchanged; the
+    dS walk's SAFE build (grouped value heads only) changed by instruction order (no order keeps both)."""
+    eg, egi = safe_gate_factors(G, C)
+    qr = grad_operand(q * eg, GRAD_OP)
+    kr = grad_operand(k * eg, GRAD_OP)
+    ki = grad_operand(k * egi, GRAD_OP)
+    Aqk = tl.where(causal_mask(C, True), tl.dot(qr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
+    Akk = tl.where(causal_mask(C, False), tl.dot(kr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
+    return Aqk, Akk, qr, kr, ki, eg, egi
+
+
+@triton.jit
 def _dstate_step(dS, q_base, k_base, g_base, b_base, bias_ptr, do_base, t0, n_rows, s_qk, s_v, s_g, s_b,
                  K, n_vcols, scale, expA, lower_bound, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
@@ -115,12 +131,7 @@ def _dstate_step(dS, q_base, k_base, g_base, b_base, bias_ptr, do_base, t0, n_ro
     GC = row_of(G, C - 1, C)  # [BK]
     Gam = tl.exp(G)
     if SAFE:
-        eg, egi = safe_gate_factors(G, C)
-        ki = grad_operand(k * egi, GRAD_OP)
-        Aqk = tl.where(causal_mask(C, True), tl.dot(grad_operand(q * eg, GRAD_OP), tl.trans(ki),
-                                                    input_precision=GRAD_PREC), 0.0)
-        Akk = tl.where(causal_mask(C, False), tl.dot(grad_operand(k * eg, GRAD_OP), tl.trans(ki),
-                                                     input_precision=GRAD_PREC), 0.0)
+        Aqk, Akk, _, _, _, _, _ = _safe_qk_kk(q, k, G, C, GRAD_OP, GRAD_PREC)
     else:
         Aqk, Akk = exact_qk_kk(q, k, G, C)
     Tinv = beta_lower_inverse(b, Akk, C, INV_DOUBLING)  # [C, C]
@@ -276,12 +287,7 @@ def _chunk_grads_vloop(s_base, ds_base, q_base, k_base, v_base, g_base, b_base, 
     eC = tl.exp(GC[None, :] - G)  # [C, BK]
     kd = k * eC
     if SAFE:
-        eg, egi = safe_gate_factors(G, C)
-        qr = grad_operand(q * eg, GRAD_OP)
-        kr = grad_operand(k * eg, GRAD_OP)
-        ki = grad_operand(k * egi, GRAD_OP)
-        Aqk = tl.where(causal_mask(C, True), tl.dot(qr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
-        Akk = tl.where(causal_mask(C, False), tl.dot(kr, tl.trans(ki), input_precision=GRAD_PREC), 0.0)
+        Aqk, Akk, qr, kr, ki, eg, egi = _safe_qk_kk(q, k, G, C, GRAD_OP, GRAD_PREC)
     else:
         Aqk, Akk = exact_qk_kk(q, k, G, C)
     Tinv = beta_lower_inverse(b, Akk, C, INV_DOUBLING)  # [C, C]
