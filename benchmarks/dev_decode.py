@@ -23,7 +23,7 @@ Each kernel is timed two ways: one step per graph replay (what bench_recurrent r
 steps in one graph divided by their number (the step's GPU time without the replay's own launch; the copy
 is timed the same two ways, so the ratios compare like with like).
 
-The prototypes' per-token math is the shipped kernels' own (recurrent_forward.qk_activation,
+The prototypes' per-token math is the shipped kernels' own (recurrent_forward.token_activations,
 recurrent_forward.state_tile_step); what they vary is the grid, tiles and memory hints. (The committed runs of
 2026-12-01 had the math inline, with the l2norm as ``x * rsqrt`` where the kernels now use ``1 / sqrt``.)
 
@@ -50,9 +50,30 @@ from bench_recurrent import _decode_inputs, copy_bandwidth, environment  # noqa:
 from timing import graphed, graphed_steps_ms, median_ms  # noqa: E402
 from kdakit.ops.kda.decode import decode_options, kda_decode  # noqa: E402
 from kdakit.ops.kda.decode_step import launch_pool_step  # noqa: E402
-from kdakit.ops.kda.recurrent_forward import qk_activation, state_tile_step  # noqa: E402
+from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND  # noqa: E402
+from kdakit.ops.kda.recurrent_forward import BETA_SIGMOID, state_tile_step, token_activations  # noqa: E402
 
 DEV = "cuda"
+# the serving options' gate and beta modes, as constexprs (the form a @triton.jit function reads a global in)
+SAFE_GATE = tl.constexpr(GATE_LOWER_BOUND)
+SIGMOID_BETA = tl.constexpr(BETA_SIGMOID)
+
+
+@triton.jit
+def _tile_token(q, k, v, g, beta, A_log, dt_bias, i_n, i_hv, i_v, lower_bound, offs_k,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """Tile (n, hv, v-block)'s token inputs with kda_decode's serving options (l2norm, the safe gate with A_log and
+    dt_bias, sigmoid beta), through the shipped token_activations. -> (q, k, v, a, beta, offs_v)"""
+    i_h = i_hv // (HV // H)
+    b_q = tl.load(q + (i_n * H + i_h) * K + offs_k).to(tl.float32)
+    b_k = tl.load(k + (i_n * H + i_h) * K + offs_k).to(tl.float32)
+    b_g = tl.load(g + (i_n * HV + i_hv) * K + offs_k).to(tl.float32)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)
+    b_b = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
+    b_q, b_k, b_a, b_b = token_activations(b_q, b_k, b_g, b_b, A_log, dt_bias, i_hv, offs_k, offs_k < K, lower_bound,
+                                           K, True, SAFE_GATE, True, True, SIGMOID_BETA)
+    return b_q, b_k, b_v, b_a, b_b, offs_v
 
 
 @triton.jit
@@ -83,17 +104,8 @@ def _dev_decode_kernel(q, k, v, g, beta, A_log, dt_bias, pool, idx, o, scale, lo
             slot = tl.load(idx + i_n, mask=tile < n_tiles, other=0).to(tl.int64)
             offs_s = (i_hv * V + i_v * BV + tl.arange(0, BV)[:, None]) * K + offs_k[None, :]
             S_next = tl.load(pool + slot * row_stride + offs_s, mask=(tile < n_tiles) & (offs_s >= 0), other=0.0)
-        i_h = c_hv // (HV // H)
-        b_q = tl.load(q + (c_n * H + i_h) * K + offs_k).to(tl.float32)
-        b_k = tl.load(k + (c_n * H + i_h) * K + offs_k).to(tl.float32)
-        b_g = tl.load(g + (c_n * HV + c_hv) * K + offs_k).to(tl.float32)
-        offs_v = c_v * BV + tl.arange(0, BV)
-        b_v = tl.load(v + (c_n * HV + c_hv) * V + offs_v).to(tl.float32)
-        b_b = tl.sigmoid(tl.load(beta + c_n * HV + c_hv).to(tl.float32))
-        b_q = qk_activation(b_q, True)
-        b_k = qk_activation(b_k, True)
-        x = b_g + tl.load(dt_bias + c_hv * K + offs_k).to(tl.float32)
-        b_a = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + c_hv).to(tl.float32)) * x)
+        b_q, b_k, b_v, b_a, b_b, offs_v = _tile_token(q, k, v, g, beta, A_log, dt_bias, c_n, c_hv, c_v, lower_bound,
+                                                      offs_k, H, HV, K, V, BV)
         S, _, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_b, scale, ROUND, NATIVE_ROUND)
         tl.store(o + (c_n * HV + c_hv) * V + offs_v, b_o.to(o.dtype.element_ty), mask=cur_ok)
         tl.store(pool + c_slot * row_stride + c_offs, S.to(pool.dtype.element_ty), mask=cur_ok & (c_offs >= 0))
@@ -128,17 +140,8 @@ def _dev_decode_seq_kernel(q, k, v, g, beta, A_log, dt_bias, pool, idx, o, scale
                 S_next = tl.load(row + (j + 1) * BV * K + offs_t)
         i_hv = j // NVT
         i_v = j % NVT
-        i_h = i_hv // (HV // H)
-        b_q = tl.load(q + (i_n * H + i_h) * K + offs_k).to(tl.float32)
-        b_k = tl.load(k + (i_n * H + i_h) * K + offs_k).to(tl.float32)
-        b_g = tl.load(g + (i_n * HV + i_hv) * K + offs_k).to(tl.float32)
-        offs_v = i_v * BV + offs_r
-        b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)
-        b_b = tl.sigmoid(tl.load(beta + i_n * HV + i_hv).to(tl.float32))
-        b_q = qk_activation(b_q, True)
-        b_k = qk_activation(b_k, True)
-        x = b_g + tl.load(dt_bias + i_hv * K + offs_k).to(tl.float32)
-        b_a = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * x)
+        b_q, b_k, b_v, b_a, b_b, offs_v = _tile_token(q, k, v, g, beta, A_log, dt_bias, i_n, i_hv, i_v, lower_bound,
+                                                      offs_k, H, HV, K, V, BV)
         S, _, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_b, scale, ROUND, NATIVE_ROUND)
         tl.store(o + (i_n * HV + i_hv) * V + offs_v, b_o.to(o.dtype.element_ty))
         if EVICT:
@@ -161,20 +164,11 @@ def _dev_decode_pipe_kernel(q, k, v, g, beta, A_log, dt_bias, pool, idx, o, scal
         i_n = tile // (HV * NVT)
         i_hv = (tile // NVT) % HV
         i_v = tile % NVT
-        i_h = i_hv // (HV // H)
         slot = tl.load(idx + i_n).to(tl.int64)
         offs_s = (i_hv * V + i_v * BV + offs_r[:, None]) * K + offs_k[None, :]                     # [BV, K]
         S = tl.load(pool + slot * row_stride + offs_s, eviction_policy="evict_first").to(tl.float32)
-        b_q = tl.load(q + (i_n * H + i_h) * K + offs_k).to(tl.float32)
-        b_k = tl.load(k + (i_n * H + i_h) * K + offs_k).to(tl.float32)
-        b_g = tl.load(g + (i_n * HV + i_hv) * K + offs_k).to(tl.float32)
-        offs_v = i_v * BV + offs_r
-        b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)
-        b_b = tl.sigmoid(tl.load(beta + i_n * HV + i_hv).to(tl.float32))
-        b_q = qk_activation(b_q, True)
-        b_k = qk_activation(b_k, True)
-        x = b_g + tl.load(dt_bias + i_hv * K + offs_k).to(tl.float32)
-        b_a = lower_bound * tl.sigmoid(tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * x)
+        b_q, b_k, b_v, b_a, b_b, offs_v = _tile_token(q, k, v, g, beta, A_log, dt_bias, i_n, i_hv, i_v, lower_bound,
+                                                      offs_k, H, HV, K, V, BV)
         S, _, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_b, scale, ROUND, NATIVE_ROUND)
         tl.store(o + (i_n * HV + i_hv) * V + offs_v, b_o.to(o.dtype.element_ty))
         tl.store(pool + slot * row_stride + offs_s, S.to(pool.dtype.element_ty), cache_modifier=".cs")

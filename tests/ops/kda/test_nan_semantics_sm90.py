@@ -7,13 +7,9 @@ cannot see it (the GPU tier's test_nan_softplus_gate_propagates[chunk] failed so
 without TRITON_INTERPRET; before the fix the same build held 32 / 16 plain ``max.f32`` and no ``max.NaN.f32``.
 """
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from ._sm90_build import run_sm90_build
 
 BUILD = """
 import re, sys
@@ -31,13 +27,9 @@ for gate, safe in ((1, False), (2, True)):  # the softplus gate (EXACT path) and
 
 
 def test_chunk_gate_clamp_propagates_nan_in_sm90_ptx():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    stdout = run_sm90_build(BUILD)
     counts = {int(g): (int(plain), int(nan)) for g, plain, nan in
-              re.findall(r"^COUNTS (\d) (\d+) (\d+)$", run.stdout, flags=re.M)}
-    assert set(counts) == {1, 2}, run.stdout
+              re.findall(r"^COUNTS (\d) (\d+) (\d+)$", stdout, flags=re.M)}
+    assert set(counts) == {1, 2}, stdout
     for gate, (plain, nan) in counts.items():
         assert plain == 0 and nan > 0, f"gate mode {gate}: {plain} max.f32, {nan} max.NaN.f32 in the intra kernel"

@@ -9,13 +9,9 @@ build. Built without a GPU (Triton's own LLVM and ptxas) in a process without TR
 configs the launchers use (K = V = 128, bf16 tokens, fp32 states).
 """
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from ._sm90_build import run_sm90_build
 
 BUILD = """
 import os, re, subprocess, tempfile
@@ -68,13 +64,9 @@ NAMES = {"forward o + final state", "forward o, value-first", "u replay", "segme
 
 
 def test_recurrence_training_paths_build_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    reports = dict(re.findall(r"^REPORT (.+?) \| (.*)$", run.stdout, flags=re.M))
-    assert set(reports) == NAMES, run.stdout
+    stdout = run_sm90_build(BUILD)
+    reports = dict(re.findall(r"^REPORT (.+?) \| (.*)$", stdout, flags=re.M))
+    assert set(reports) == NAMES, stdout
     for name, rep in reports.items():
         regs = re.search(r"Used (\d+) registers", rep)
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
