@@ -48,8 +48,6 @@ KNOWN_CYCLES: dict[frozenset, str] = {}
 # (importing module, imported module). test_function_level_imports_listed fails on one not listed
 # (and on a listed one that is gone). They close no cycle: the graph counts them. They defer loading a subcommand, backend or tool until it is used.
 KNOWN_FUNCTION_LEVEL: set[tuple[str, str]] = {
-    # chunk_kda loads the Triton path only when the backend is Triton
-    ("kdakit.ops.kda.chunk", "kdakit.ops.kda.chunk_triton"),
     # CLI subcommands and the memory tools, loaded when called
     ("kdakit.cli", "kdakit.demo"),
     ("kdakit.cli", "kdakit.memory.mem_cli"),

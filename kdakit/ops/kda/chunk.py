@@ -22,6 +22,7 @@ import torch
 from kdakit.distributed.cp import chunk_kda_cp
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.chunk_reference import chunked_kda_reference, chunked_kda_reference_states
+from kdakit.ops.kda.chunk_triton import chunk_kda_triton, chunk_kda_triton_states
 from kdakit.ops.kda.compiled import chunk_kda_via_op
 from kdakit.ops.kda.state_pool import gather_pool_rows, scatter_pool_rows, zero_padded_outputs
 from kdakit.ops.kda.options import kda_options
@@ -206,8 +207,6 @@ def chunk_kda(
                          "(pass None or 16)")
     h = None
     if backend == "triton":
-        from kdakit.ops.kda.chunk_triton import chunk_kda_triton, chunk_kda_triton_states
-
         if return_intermediate_states:
             o, final, h = chunk_kda_triton_states(q, k, v, g, beta, **tensors, opts=opts)
         else:

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import (
     beta_activation_bwd,
+    gate_from_preact,
     gate_log_decay_bwd_floored,
     load_matrix,
     load_rows,
@@ -73,7 +74,6 @@ from kdakit.ops.kda.chunk_tiles import (
     CHUNK,
     SUB,
     dot_operand,
-    gate_from_preact,
     gate_preact,
     l2norm_bwd,
     load_beta,

@@ -32,11 +32,11 @@ import triton.language as tl
 from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.ops.kda.chunk_common import (
     beta_lower_inverse,
-    causal_mask,
     l2norm_rows,
     load_chunk_beta,
     load_chunk_gate,
     load_rows,
+    pairwise_dot,
     round_to_bf16,
     row_of,
     safe_gate_factors,
@@ -191,24 +191,34 @@ def decay_scale(A_log, hv, HAS_A: tl.constexpr):
 
 
 @triton.jit
+def chunk_keys_gate_beta(k_base, g_base, b_base, bias_ptr, t0, n_rows, s_qk, s_g, s_b, K, expA, lower_bound,
+                         C: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr):
+    """The token side of a 16-token chunk that both state walks (forward state and dS) start from:
+    -> (k ``[C, BK]``, l2-normalized with L2NORM; beta ``[C]``; G ``[C, BK]``, the in-chunk cumsum of the
+    clamped log-decay; GC ``[BK]``, its last row)."""
+    k = load_rows(k_base, t0, n_rows, s_qk, 0, K, C, BK)  # [C, BK]
+    if L2NORM:
+        k, _ = l2norm_rows(k)
+    a = load_chunk_gate(g_base, bias_ptr, t0, n_rows, s_g, 0, K, expA, lower_bound, C, BK, GATE, HAS_BIAS)
+    b = load_chunk_beta(b_base, t0, n_rows, s_b, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
+    G = tl.cumsum(a, axis=0)  # [C, BK]
+    return k, b, G, row_of(G, C - 1, C)
+
+
+@triton.jit
 def state_step(S, k_base, v_base, g_base, b_base, bias_ptr, t0, n_rows, s_qk, s_v, s_g, s_b, K, V,
                 expA, lower_bound, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 GATE: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
                 BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, SAFE: tl.constexpr,
                 DOT_PREC: tl.constexpr, INV_DOUBLING: tl.constexpr):
     """State after the chunk starting at row t0: ``gC S + kd^T (U - W S)``. S ``[BK, BV]`` fp32."""
-    k = load_rows(k_base, t0, n_rows, s_qk, 0, K, C, BK)  # [C, BK]
-    if L2NORM:
-        k, _ = l2norm_rows(k)
+    k, b, G, GC = chunk_keys_gate_beta(k_base, g_base, b_base, bias_ptr, t0, n_rows, s_qk, s_g, s_b, K, expA,
+                                       lower_bound, C, BK, GATE, HAS_BIAS, L2NORM, BETA_SIGMOID, NEG_EIGVAL)
     v = load_rows(v_base, t0, n_rows, s_v, 0, V, C, BV)  # [C, BV]
-    a = load_chunk_gate(g_base, bias_ptr, t0, n_rows, s_g, 0, K, expA, lower_bound, C, BK, GATE, HAS_BIAS)
-    b = load_chunk_beta(b_base, t0, n_rows, s_b, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
-    G = tl.cumsum(a, axis=0)  # [C, BK]
-    GC = row_of(G, C - 1, C)  # [BK]
     if SAFE:
         eg, egi = safe_gate_factors(G, C)
-        Araw = tl.dot(k * eg, tl.trans(k * egi), input_precision=DOT_PREC)
-        Araw = tl.where(causal_mask(C, False), Araw, 0.0)  # [C, C]
+        Araw = pairwise_dot(k * eg, k * egi, C, False, DOT_PREC)  # [C, C]
     else:
         Araw = exact_kk(k, G, C)
     Tinv = beta_lower_inverse(b, Araw, C, INV_DOUBLING)  # [C, C]

@@ -52,6 +52,7 @@ from kdakit.ops.kda.chunk_bwd_common import (
     CHUNK,
     LAST_LAUNCH,
     USE_DOUBLING_INVERSE,
+    chunk_keys_gate_beta,
     decay_scale,
     exact_pairwise_bwd,
     exact_qk_kk,
@@ -71,11 +72,10 @@ from kdakit.ops.kda.chunk_common import (
     beta_lower_inverse,
     block_size,
     causal_mask,
+    gate_from_preact,
     gate_log_decay_bwd_floored,
     l2norm_rows,
     l2norm_rows_bwd,
-    load_chunk_beta,
-    load_chunk_gate,
     load_matrix,
     load_row_scalars,
     load_rows,
@@ -86,8 +86,6 @@ from kdakit.ops.kda.chunk_common import (
     store_row_scalars,
     store_rows,
 )
-from kdakit.ops.kda.chunk_tiles import gate_from_preact
-
 
 
 @triton.jit
@@ -96,7 +94,9 @@ def _safe_qk_kk(q, k, G, C: tl.constexpr, GRAD_OP: tl.constexpr, GRAD_PREC: tl.c
     the window gradient reuses for its own dots, and the factors. -> (Aqk, Akk, qr, kr, ki, eg, egi)
 
     In the window gradient's order, so that kernel's sm_90a PTX (timed in every speed-table cell) is unchanged; the
-    dS walk's SAFE build (grouped value heads only) changed by instruction order (no order keeps both)."""
+    dS walk's SAFE build (grouped value heads only) changed by instruction order (no order keeps both). The masked
+    dots are spelled out rather than chunk_common.pairwise_dot's: its dot-then-mask order changed this kernel's
+    PTX, and a mask-then-dot pairwise_dot kept it but changed the forward intra kernel's (sm_90a, 2026-12-02)."""
     eg, egi = safe_gate_factors(G, C)
     qr = grad_operand(q * eg, GRAD_OP)
     kr = grad_operand(k * eg, GRAD_OP)
@@ -120,15 +120,11 @@ def _dstate_step(dS, q_base, k_base, g_base, b_base, bias_ptr, do_base, t0, n_ro
     the block); value columns are independent, so the V-split is exact.
     """
     q = load_rows(q_base, t0, n_rows, s_qk, 0, K, C, BK)  # [C, BK]
-    k = load_rows(k_base, t0, n_rows, s_qk, 0, K, C, BK)
     if L2NORM:
         q, _ = l2norm_rows(q)
-        k, _ = l2norm_rows(k)
+    k, b, G, GC = chunk_keys_gate_beta(k_base, g_base, b_base, bias_ptr, t0, n_rows, s_qk, s_g, s_b, K, expA,
+                                       lower_bound, C, BK, GATE, HAS_BIAS, L2NORM, BETA_SIGMOID, NEG_EIGVAL)
     do = load_rows(do_base, t0, n_rows, s_v, 0, n_vcols, C, BV)  # [C, BV]
-    a = load_chunk_gate(g_base, bias_ptr, t0, n_rows, s_g, 0, K, expA, lower_bound, C, BK, GATE, HAS_BIAS)
-    b = load_chunk_beta(b_base, t0, n_rows, s_b, C, BETA_SIGMOID, NEG_EIGVAL)  # [C]
-    G = tl.cumsum(a, axis=0)  # [C, BK]
-    GC = row_of(G, C - 1, C)  # [BK]
     Gam = tl.exp(G)
     if SAFE:
         Aqk, Akk, _, _, _, _, _ = _safe_qk_kk(q, k, G, C, GRAD_OP, GRAD_PREC)

@@ -295,27 +295,35 @@ def beta_activation_bwd(dbeta, b_raw, BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl
 
 
 @triton.jit
+def gate_from_preact(x, t0, n_rows, col0, K, expA, lower_bound,
+                     BR: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr):
+    """Log-decay from the pre-activation ``x = g + dt_bias`` of rows ``t0 + [0, BR)``, columns ``col0 + [0, BC)``:
+    clamped to ``>= -110`` (LOG_DECAY_FLOOR: exact in float32 for log-decays <= 0) and exactly 0 on padded rows
+    and columns. The one home of the chunk kernels' clamp."""
+    a = gate_log_decay(x, expA, lower_bound, GATE)
+    r = t0 + tl.arange(0, BR)
+    c = col0 + tl.arange(0, BC)
+    mask = (r < n_rows)[:, None] & (c < K)[None, :]
+    # NaN-propagating max (PTX max.NaN.f32): the plain max.f32 returns the non-NaN operand, so a NaN gate would
+    # load as the floor, a finite reset, on the GPU only (tests/gpu/ops/kda/test_nonfinite_gpu.py failed so, b6dd5fc)
+    return tl.where(mask, tl.maximum(a, LOG_DECAY_FLOOR_TL, propagate_nan=tl.PropagateNan.ALL), 0.0)
+
+
+@triton.jit
 def load_chunk_gate(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, expA, lower_bound,
                     C: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Log-decay tile of a chunk: a ``[C, BC]`` fp32, exactly 0 on padded rows and columns.
-
-    Values are clamped to ``>= -110`` (see LOG_DECAY_FLOOR: exact in float32 for log-decays <= 0).
+    """Log-decay tile of a chunk (gate_from_preact of the loaded gate rows): a ``[C, BC]`` fp32.
 
     g_base: gate rows of this (sequence, value head) (row stride stride_g); bias_ptr: this
     value head's ``dt_bias[hv*K:(hv+1)*K]`` (unused without HAS_BIAS). Columns are
     ``col0 + [0, BC)``.
     """
-    r = t0 + tl.arange(0, C)
-    c = col0 + tl.arange(0, BC)
-    mask = (r < n_rows)[:, None] & (c < K)[None, :]
     x = load_rows(g_base, t0, n_rows, stride_g, col0, K, C, BC)  # [C, BC]
     if HAS_BIAS:
+        c = col0 + tl.arange(0, BC)
         bias = tl.load(bias_ptr + c, mask=c < K, other=0.0).to(tl.float32)  # [BC]
         x = x + bias[None, :]
-    # NaN-propagating max (PTX max.NaN.f32): the plain max.f32 returns the non-NaN operand, so a NaN gate would
-    # load as the floor, a finite reset, on the GPU only (tests/gpu/ops/kda/test_nonfinite_gpu.py failed so, b6dd5fc)
-    a = tl.maximum(gate_log_decay(x, expA, lower_bound, GATE), LOG_DECAY_FLOOR_TL, propagate_nan=tl.PropagateNan.ALL)
-    return tl.where(mask, a, 0.0)  # [C, BC]
+    return gate_from_preact(x, t0, n_rows, col0, K, expA, lower_bound, C, BC, GATE)  # [C, BC]
 
 
 @triton.jit

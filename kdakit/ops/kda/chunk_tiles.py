@@ -33,9 +33,8 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import (
-    LOG_DECAY_FLOOR_TL,
     beta_activation,
-    gate_log_decay,
+    gate_from_preact,
     l2norm_rows_bwd,
     l2norm_rstd,
     load_row_scalars,
@@ -332,19 +331,6 @@ def gate_preact(g_base, bias_ptr, t0, n_rows, stride_g, col0, K, stride_bias,
         bias = tl.load(bias_ptr + c.to(tl.int64) * stride_bias, mask=c < K, other=0.0).to(tl.float32)
         x = x + bias[None, :]
     return x
-
-
-@triton.jit
-def gate_from_preact(x, t0, n_rows, col0, K, expA, lower_bound,
-                     BR: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr):
-    """Log-decay from the pre-activation, clamped to >= -110 (LOG_DECAY_FLOOR) and exactly 0 on padded
-    rows/columns."""
-    a = gate_log_decay(x, expA, lower_bound, GATE)
-    r = t0 + tl.arange(0, BR)
-    c = col0 + tl.arange(0, BC)
-    mask = (r < n_rows)[:, None] & (c < K)[None, :]
-    # NaN-propagating, as chunk_common.load_chunk_gate's clamp (PTX max.f32 would turn a NaN gate into the floor)
-    return tl.where(mask, tl.maximum(a, LOG_DECAY_FLOOR_TL, propagate_nan=tl.PropagateNan.ALL), 0.0)
 
 
 @triton.jit
