@@ -1,0 +1,293 @@
+"""How fast can any kernel read and write a decode pool in place? The ceiling under issue #13's fp32 target.
+
+FLA's fp32 step (20 steps a graph) runs at 69-73 % of the device copy rate at N = 64 / 256 (HV = 32,
+K = V = 128; results/recurrent_h200.json), so 1.3x it needs the step at ~93 / ~96 % of copy. kdakit's step
+kernel (decode_step.py) levels off at ~92 %. This script separates what the step's math costs from what
+its memory access pattern allows, on the same pools, as CUDA-graph replays (one step a replay, and
+``--amortize`` steps in one graph divided by their number):
+
+* ``copy``: ``dst.copy_(src)``, the bench's yardstick (out of place);
+* ``neg_``: PyTorch's in-place elementwise kernel over the pool (read and write the same bytes);
+* ``flat``: a Triton in-place negation over contiguous blocks of ``block`` elements, ``hints``: the load
+  ``evict_first`` and the store streaming (``.cs``), as the step kernel does;
+* ``flat_oop``: the same kernel out of place (a Triton copy, beside PyTorch's);
+* ``tile``: the negation on the step kernel's own grid and indexing ([BV, K] tiles of row
+  ``state_indices[n]``, the index loaded first), so only the math is missing;
+* ``tma_tile``: the same tiles through a TMA tensor descriptor (``cp.async.bulk.tensor`` load and store);
+* ``step``: decode_step.py's kernel at a (block_v, num_warps);
+* ``tma_step``: the step kernel's math with the state tile loaded and stored through a TMA descriptor.
+
+Every row is gated: the negations against ``-pool`` (bitwise), the step variants against kda_decode's
+output and pool. ``--ncu`` instead runs each of a few kernels twice at one cell, for Nsight Compute to
+count DRAM bytes and throughput (run it under ``ncu``). GPU only.
+
+    python benchmarks/dev_decode_ceiling.py --out results/dev_decode_ceiling.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_recurrent import _decode_inputs, _fla_decode_fn, copy_bandwidth, environment  # noqa: E402
+from dev_decode import _timed, launch_step  # noqa: E402
+from kdakit.ops.kda.decode import decode_options, kda_decode  # noqa: E402
+from kdakit.ops.kda.recurrent_forward import state_tile_step, token_activations  # noqa: E402
+
+DEV = "cuda"
+HV, K, V = 32, 128, 128
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _flat_kernel(src, dst, n, BLOCK: tl.constexpr, HINTS: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    if HINTS:
+        x = tl.load(src + offs, mask=m, eviction_policy="evict_first")
+        tl.store(dst + offs, -x, mask=m, cache_modifier=".cs")
+    else:
+        x = tl.load(src + offs, mask=m)
+        tl.store(dst + offs, -x, mask=m)
+
+
+@triton.jit
+def _tile_kernel(pool, idx, P, row_stride, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BV: tl.constexpr):
+    NVT: tl.constexpr = V // BV
+    pid = tl.program_id(0).to(tl.int64)
+    i_n = pid // (HV * NVT)
+    i_hv = (pid // NVT) % HV
+    i_v = pid % NVT
+    slot = tl.load(idx + i_n).to(tl.int64)
+    valid = (slot >= 0) & (slot < P)
+    offs_s = (i_hv * V + i_v * BV + tl.arange(0, BV)[:, None]) * K + tl.arange(0, K)[None, :]   # [BV, K]
+    row = pool + slot * row_stride
+    S = tl.load(row + offs_s, mask=valid, other=0.0, eviction_policy="evict_first")
+    tl.store(row + offs_s, -S, mask=valid, cache_modifier=".cs")
+
+
+@triton.jit
+def _tma_tile_kernel(desc, idx, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    NVT: tl.constexpr = V // BV
+    pid = tl.program_id(0)
+    i_n = pid // (HV * NVT)
+    i_hv = (pid // NVT) % HV
+    i_v = pid % NVT
+    slot = tl.load(idx + i_n)
+    r0 = (slot * HV + i_hv) * V + i_v * BV
+    S = desc.load([r0, 0])                                                                   # [BV, K]
+    desc.store([r0, 0], -S)
+
+
+@triton.jit
+def _tma_step_kernel(q, k, v, g, beta, A_log, dt_bias, desc, state_indices, o, scale, lower_bound,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                     ROUND_STATE: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BETA: tl.constexpr):
+    NVT: tl.constexpr = V // BV
+    pid = tl.program_id(0)
+    i_n = pid // (HV * NVT)
+    i_hv = (pid // NVT) % HV
+    i_v = pid % NVT
+    i_h = i_hv // (HV // H)
+    offs_k = tl.arange(0, K)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    b_q = tl.load(q + (i_n * H + i_h) * K + offs_k).to(tl.float32)                        # [K]
+    b_k = tl.load(k + (i_n * H + i_h) * K + offs_k).to(tl.float32)
+    b_g = tl.load(g + (i_n * HV + i_hv) * K + offs_k).to(tl.float32)
+    b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)                      # [BV]
+    b_beta = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
+    slot = tl.load(state_indices + i_n)
+    r0 = (slot * HV + i_hv) * V + i_v * BV
+    S = desc.load([r0, 0]).to(tl.float32)                                                   # [BV, K]
+    b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, offs_k < K,
+                                              lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
+    S, _, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE, True)
+    tl.store(o + (i_n * HV + i_hv) * V + offs_v, b_o.to(o.dtype.element_ty))
+    desc.store([r0, 0], S.to(desc.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers (each returns a zero-argument launch, so a row is timed and gated the same way)
+# ---------------------------------------------------------------------------------------------
+
+def _descriptor(pool, block_v):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(pool, [pool.numel() // K, K], [K, 1], [block_v, K])
+
+
+def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
+    N = pool.shape[0]
+    if kind == "neg_":
+        return lambda: pool.neg_()
+    if kind in ("flat", "flat_oop"):
+        n, blk = pool.numel(), params["block"]
+        target = pool if kind == "flat" else dst
+        return lambda: _flat_kernel[(triton.cdiv(n, blk),)](pool, target, n, BLOCK=blk, HINTS=params["hints"],
+                                                            num_warps=params["num_warps"])
+    if kind == "tile":
+        bv = params["block_v"]
+        return lambda: _tile_kernel[(N * HV * (V // bv),)](pool, idx, pool.shape[0], pool.stride(0), HV=HV, K=K, V=V,
+                                                          BV=bv, num_warps=params["num_warps"])
+    if kind == "tma_tile":
+        bv = params["block_v"]
+        desc = _descriptor(pool, bv)
+        return lambda: _tma_tile_kernel[(N * HV * (V // bv),)](desc, idx, HV=HV, V=V, BV=bv,
+                                                              num_warps=params["num_warps"])
+    if kind == "step":
+        return lambda: launch_step(t, opts, pool, idx, out, params["block_v"], params["num_warps"], False)
+    if kind == "tma_step":
+        bv = params["block_v"]
+        desc = _descriptor(pool, bv)
+        kopts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
+                               **opts)
+        A_log, dt_bias = kopts.kernel_gate_params(t["A_log"], t["dt_bias"])
+        cx = kopts.recurrent_constexprs()
+        cx.pop("STATE_V_FIRST")
+
+        def run():
+            _tma_step_kernel[(N * HV * (V // bv),)](
+                t["q"], t["k"], t["v"], t["g"], t["beta"], A_log, dt_bias, desc, idx, out, kopts.scale,
+                kopts.kernel_lower_bound, H=HV, HV=HV, K=K, V=V, BV=bv, ROUND_STATE=pool.dtype == torch.bfloat16,
+                num_warps=params["num_warps"], **cx)
+        return run
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def variant_grid():
+    rows = [("neg_", {})]
+    for blk in (1024, 4096, 8192):
+        for w in (1, 4, 8):
+            for hints in (False, True):
+                rows.append(("flat", dict(block=blk, num_warps=w, hints=hints)))
+    rows += [("flat_oop", dict(block=4096, num_warps=4, hints=False)),
+             ("flat_oop", dict(block=4096, num_warps=4, hints=True))]
+    for bv, w in ((8, 1), (16, 1), (32, 1), (32, 4), (64, 4)):
+        rows.append(("tile", dict(block_v=bv, num_warps=w)))
+        rows.append(("tma_tile", dict(block_v=bv, num_warps=w)))
+    for bv, w in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4)):
+        rows.append(("tma_step", dict(block_v=bv, num_warps=w)))
+    rows.append(("step", dict(block_v=8, num_warps=1)))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Cells
+# ---------------------------------------------------------------------------------------------
+
+def cell_inputs(N, pool_dtype):
+    t, opts = _decode_inputs(N, HV, K, V)
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    pool0 = (0.3 * torch.randn(N, HV, V, K, device=DEV, generator=gen)).to(pool_dtype)
+    idx = torch.randperm(N, device=DEV, generator=gen).to(torch.int32)
+    return t, opts, pool0, idx
+
+
+def run_cell(N, pool_dtype, variants, iters, amortize, copy_GBps):
+    t, opts, pool0, idx = cell_inputs(N, pool_dtype)
+    nbytes = 2 * pool0.numel() * pool0.element_size()
+    floor_us = nbytes / copy_GBps / 1e3
+    cell = {"N": N, "state_dtype": str(pool_dtype).replace("torch.", ""), "state_bytes": nbytes,
+            "floor_us_at_copy_rate": floor_us}
+    src, dst = pool0.clone(), torch.empty_like(pool0)
+    cell["copy_us"], cell["copy_amortized_us"] = _timed(lambda: dst.copy_(src), iters, amortize)
+    ref_pool, ref_o = pool0.clone(), torch.empty_like(t["v"])
+    kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, A_log=t["A_log"], dt_bias=t["dt_bias"],
+               out=ref_o, check_indices=False, **opts)
+    fpool, fout = pool0.clone(), torch.empty_like(t["v"])
+    try:
+        cell["fla_us"], cell["fla_amortized_us"] = _timed(_fla_decode_fn(t, opts, fpool, idx, fout), iters, amortize)
+    except Exception as exc:  # noqa: BLE001 - the rows stand without FLA's
+        cell["fla_error"] = f"{type(exc).__name__}: {exc}"
+    del fpool
+    rows = []
+    for kind, params in variants:
+        r = dict(kind=kind, **params)
+        p, o, d = pool0.clone(), torch.empty_like(t["v"]), torch.empty_like(pool0)
+        try:
+            launch = make_launch(kind, params, t, opts, p, idx, o, d)
+            launch()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row, not the end
+            r["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            rows.append(r)
+            print(f"N={N} {cell['state_dtype']} {r}", flush=True)
+            continue
+        if kind in ("step", "tma_step"):
+            r["max_abs_o"] = (o.float() - ref_o.float()).abs().max().item()
+            r["max_abs_state"] = (p.float() - ref_pool.float()).abs().max().item()
+            r["ok"] = r["max_abs_o"] < 1e-2 and r["max_abs_state"] < 2e-2
+        else:
+            got = d if kind == "flat_oop" else p
+            r["ok"] = bool(torch.equal(got, -pool0))
+        if r["ok"]:
+            r["us"], r["amortized_us"] = _timed(launch, iters, amortize)
+            r["fraction_of_copy"] = floor_us / r["us"]
+            r["amortized_fraction_of_copy"] = floor_us / r["amortized_us"]
+            if "fla_amortized_us" in cell:
+                r["amortized_speedup_vs_fla"] = cell["fla_amortized_us"] / r["amortized_us"]
+        rows.append(r)
+        print(f"N={N} {cell['state_dtype']} {r}", flush=True)
+        del p, o, d
+    cell["rows"] = rows
+    print(f"N={N} {cell['state_dtype']}: floor {floor_us:.1f} us, copy {cell['copy_us']:.1f} "
+          f"({cell['copy_amortized_us']:.1f}), FLA {cell.get('fla_us', float('nan')):.1f} "
+          f"({cell.get('fla_amortized_us', float('nan')):.1f})", flush=True)
+    return cell
+
+
+def ncu_targets(N, pool_dtype):
+    """Two launches each of the copy, the in-place negation, the tiled negation and the step kernel."""
+    t, opts, pool0, idx = cell_inputs(N, pool_dtype)
+    p, o, d = pool0.clone(), torch.empty_like(t["v"]), torch.empty_like(pool0)
+    rows = [("neg_", {}), ("flat", dict(block=4096, num_warps=4, hints=True)), ("tile", dict(block_v=8, num_warps=1)),
+            ("tma_tile", dict(block_v=8, num_warps=1)), ("step", dict(block_v=8, num_warps=1)),
+            ("tma_step", dict(block_v=8, num_warps=1))]
+    for _ in range(2):
+        d.copy_(pool0)
+    for kind, params in rows:
+        try:
+            launch = make_launch(kind, params, t, opts, p, idx, o, d)
+            for _ in range(2):
+                launch()
+        except Exception as exc:  # noqa: BLE001
+            print(f"{kind}: {type(exc).__name__}: {exc}")
+    torch.cuda.synchronize()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--ns", default="64,256")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--amortize", type=int, default=20)
+    ap.add_argument("--ncu", default=None, help="N,dtype (e.g. 256,float32): launch a few kernels for ncu only")
+    args = ap.parse_args()
+    if args.ncu:
+        n, dt = args.ncu.split(",")
+        ncu_targets(int(n), getattr(torch, dt))
+        return
+    res = {"env": environment(), "copy": copy_bandwidth(), "cells": []}
+    print(f"copy bandwidth {res['copy']['GBps']:.0f} GB/s", flush=True)
+    for N in (int(n) for n in args.ns.split(",")):
+        for dt in (torch.float32, torch.bfloat16):
+            res["cells"].append(run_cell(N, dt, variant_grid(), args.iters, args.amortize, res["copy"]["GBps"]))
+            json.dump(res, open(args.out, "w"), indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
