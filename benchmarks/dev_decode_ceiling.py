@@ -15,13 +15,15 @@ its memory access pattern allows, on the same pools, as CUDA-graph replays (one 
   ``state_indices[n]``, the index loaded first), so only the math is missing;
 * ``tma_tile``: the same tiles through a TMA tensor descriptor (``cp.async.bulk.tensor`` load and store);
 * ``step``: decode_step.py's kernel at a (block_v, num_warps);
-* ``tma_step``: the step kernel's math with the state tile loaded and stored through a TMA descriptor.
+* ``tma_step``: the step kernel's math with the state tile loaded and stored through a TMA descriptor;
+* ``dev_step`` (``--grid step``): the step kernel with the hints a switch, at more warps a tile; ``tile``
+  there also without the hints and without the index load (row n), to split the tile's cost.
 
 Every row is gated: the negations against ``-pool`` (bitwise), the step variants against kda_decode's
 output and pool. ``--ncu`` instead runs each of a few kernels twice at one cell, for Nsight Compute to
 count DRAM bytes and throughput (run it under ``ncu``). GPU only.
 
-    python benchmarks/dev_decode_ceiling.py --out results/dev_decode_ceiling.json
+    python benchmarks/dev_decode_ceiling.py --out results/dev_decode_ceiling.json [--grid step]
 """
 
 from __future__ import annotations
@@ -64,18 +66,62 @@ def _flat_kernel(src, dst, n, BLOCK: tl.constexpr, HINTS: tl.constexpr):
 
 @triton.jit
 def _tile_kernel(pool, idx, P, row_stride, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BV: tl.constexpr):
+                 BV: tl.constexpr, HINTS: tl.constexpr = True, LOAD_INDEX: tl.constexpr = True):
     NVT: tl.constexpr = V // BV
     pid = tl.program_id(0).to(tl.int64)
     i_n = pid // (HV * NVT)
     i_hv = (pid // NVT) % HV
     i_v = pid % NVT
-    slot = tl.load(idx + i_n).to(tl.int64)
+    if LOAD_INDEX:
+        slot = tl.load(idx + i_n).to(tl.int64)
+    else:  # decomposition only: row n, no index load before the state's
+        slot = i_n
     valid = (slot >= 0) & (slot < P)
     offs_s = (i_hv * V + i_v * BV + tl.arange(0, BV)[:, None]) * K + tl.arange(0, K)[None, :]   # [BV, K]
     row = pool + slot * row_stride
-    S = tl.load(row + offs_s, mask=valid, other=0.0, eviction_policy="evict_first")
-    tl.store(row + offs_s, -S, mask=valid, cache_modifier=".cs")
+    if HINTS:
+        S = tl.load(row + offs_s, mask=valid, other=0.0, eviction_policy="evict_first")
+        tl.store(row + offs_s, -S, mask=valid, cache_modifier=".cs")
+    else:
+        S = tl.load(row + offs_s, mask=valid, other=0.0)
+        tl.store(row + offs_s, -S, mask=valid)
+
+
+@triton.jit
+def _dev_step_kernel(q, k, v, g, beta, A_log, dt_bias, pool, state_indices, o, scale, lower_bound, P, row_stride,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                     ROUND_STATE: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BETA: tl.constexpr, HINTS: tl.constexpr):
+    """decode_step._pool_step_kernel with the memory hints a constexpr (the math is the shipped functions')."""
+    NVT: tl.constexpr = V // BV
+    pid = tl.program_id(0).to(tl.int64)
+    i_n = pid // (HV * NVT)
+    i_hv = (pid // NVT) % HV
+    i_v = pid % NVT
+    i_h = i_hv // (HV // H)
+    offs_k = tl.arange(0, K)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    b_q = tl.load(q + (i_n * H + i_h) * K + offs_k).to(tl.float32)                        # [K]
+    b_k = tl.load(k + (i_n * H + i_h) * K + offs_k).to(tl.float32)
+    b_g = tl.load(g + (i_n * HV + i_hv) * K + offs_k).to(tl.float32)
+    b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)                      # [BV]
+    b_beta = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    valid = (slot >= 0) & (slot < P)
+    offs_s = (i_hv * V + offs_v[:, None]) * K + offs_k[None, :]                           # [BV, K]
+    row = pool + slot * row_stride
+    if HINTS:
+        S = tl.load(row + offs_s, mask=valid, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        S = tl.load(row + offs_s, mask=valid, other=0.0).to(tl.float32)
+    b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, offs_k < K,
+                                              lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
+    S, _, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE, True)
+    tl.store(o + (i_n * HV + i_hv) * V + offs_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty))
+    if HINTS:
+        tl.store(row + offs_s, S.to(pool.dtype.element_ty), mask=valid, cache_modifier=".cs")
+    else:
+        tl.store(row + offs_s, S.to(pool.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -140,8 +186,9 @@ def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
                                                             num_warps=params["num_warps"])
     if kind == "tile":
         bv = params["block_v"]
-        return lambda: _tile_kernel[(N * HV * (V // bv),)](pool, idx, pool.shape[0], pool.stride(0), HV=HV, K=K, V=V,
-                                                          BV=bv, num_warps=params["num_warps"])
+        return lambda: _tile_kernel[(N * HV * (V // bv),)](
+            pool, idx, pool.shape[0], pool.stride(0), HV=HV, K=K, V=V, BV=bv, HINTS=params.get("hints", True),
+            LOAD_INDEX=params.get("load_index", True), num_warps=params["num_warps"])
     if kind == "tma_tile":
         bv = params["block_v"]
         desc = _descriptor(pool, bv)
@@ -149,17 +196,26 @@ def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
                                                               num_warps=params["num_warps"])
     if kind == "step":
         return lambda: launch_step(t, opts, pool, idx, out, params["block_v"], params["num_warps"], False)
-    if kind == "tma_step":
+    if kind in ("tma_step", "dev_step"):
         bv = params["block_v"]
-        desc = _descriptor(pool, bv)
+        desc = _descriptor(pool, bv) if kind == "tma_step" else None
         kopts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"],
                                **opts)
         A_log, dt_bias = kopts.kernel_gate_params(t["A_log"], t["dt_bias"])
         cx = kopts.recurrent_constexprs()
         cx.pop("STATE_V_FIRST")
 
+        if kind == "dev_step":
+            def run():
+                return _dev_step_kernel[(N * HV * (V // bv),)](
+                    t["q"], t["k"], t["v"], t["g"], t["beta"], A_log, dt_bias, pool, idx, out, kopts.scale,
+                    kopts.kernel_lower_bound, pool.shape[0], pool.stride(0), H=HV, HV=HV, K=K, V=V, BV=bv,
+                    ROUND_STATE=pool.dtype == torch.bfloat16, HINTS=params["hints"], num_warps=params["num_warps"],
+                    **cx)
+            return run
+
         def run():
-            _tma_step_kernel[(N * HV * (V // bv),)](
+            return _tma_step_kernel[(N * HV * (V // bv),)](
                 t["q"], t["k"], t["v"], t["g"], t["beta"], A_log, dt_bias, desc, idx, out, kopts.scale,
                 kopts.kernel_lower_bound, H=HV, HV=HV, K=K, V=V, BV=bv, ROUND_STATE=pool.dtype == torch.bfloat16,
                 num_warps=params["num_warps"], **cx)
@@ -167,7 +223,28 @@ def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
     raise ValueError(f"unknown kind {kind!r}")
 
 
+def step_grid():
+    """The second run's grid: the step's math at more warps a tile (the first run's counters show the one-warp
+    step at 46 % of its warp slots: 32 one-warp blocks an SM, the block limit), with and without the hints,
+    beside the tiled negation decomposed (index load, hints)."""
+    rows = [("flat", dict(block=1024, num_warps=8, hints=False)), ("flat", dict(block=1024, num_warps=1, hints=False))]
+    for hints in (True, False):
+        for load_index in (True, False):
+            rows.append(("tile", dict(block_v=8, num_warps=1, hints=hints, load_index=load_index)))
+    for bv, w in ((8, 2), (8, 4), (8, 8)):
+        rows.append(("tile", dict(block_v=bv, num_warps=w, hints=False, load_index=True)))
+    for bv in (4, 8, 16, 32):
+        for w in (1, 2, 4, 8):
+            if bv * K // (32 * w) < 2:
+                continue
+            for hints in (True, False):
+                rows.append(("dev_step", dict(block_v=bv, num_warps=w, hints=hints)))
+    rows.append(("step", dict(block_v=8, num_warps=1)))
+    return rows
+
+
 def variant_grid():
+    """The first run's grid (results/dev_decode_ceiling_h200.json)."""
     rows = [("neg_", {})]
     for blk in (1024, 4096, 8192):
         for w in (1, 4, 8):
@@ -219,14 +296,16 @@ def run_cell(N, pool_dtype, variants, iters, amortize, copy_GBps):
         p, o, d = pool0.clone(), torch.empty_like(t["v"]), torch.empty_like(pool0)
         try:
             launch = make_launch(kind, params, t, opts, p, idx, o, d)
-            launch()
+            compiled = launch()
             torch.cuda.synchronize()
+            if hasattr(compiled, "n_regs"):
+                r["registers"], r["spills"] = compiled.n_regs, compiled.n_spills
         except Exception as exc:  # noqa: BLE001 - a config that does not compile is a row, not the end
             r["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(r)
             print(f"N={N} {cell['state_dtype']} {r}", flush=True)
             continue
-        if kind in ("step", "tma_step"):
+        if kind in ("step", "tma_step", "dev_step"):
             r["max_abs_o"] = (o.float() - ref_o.float()).abs().max().item()
             r["max_abs_state"] = (p.float() - ref_pool.float()).abs().max().item()
             r["ok"] = r["max_abs_o"] < 1e-2 and r["max_abs_state"] < 2e-2
@@ -253,9 +332,9 @@ def ncu_targets(N, pool_dtype):
     """Two launches each of the copy, the in-place negation, the tiled negation and the step kernel."""
     t, opts, pool0, idx = cell_inputs(N, pool_dtype)
     p, o, d = pool0.clone(), torch.empty_like(t["v"]), torch.empty_like(pool0)
-    rows = [("neg_", {}), ("flat", dict(block=4096, num_warps=4, hints=True)), ("tile", dict(block_v=8, num_warps=1)),
-            ("tma_tile", dict(block_v=8, num_warps=1)), ("step", dict(block_v=8, num_warps=1)),
-            ("tma_step", dict(block_v=8, num_warps=1))]
+    rows = [("neg_", {}), ("flat", dict(block=1024, num_warps=8, hints=False)), ("tile", dict(block_v=8, num_warps=1)),
+            ("step", dict(block_v=8, num_warps=1)), ("dev_step", dict(block_v=8, num_warps=4, hints=False)),
+            ("dev_step", dict(block_v=8, num_warps=8, hints=False)), ("dev_step", dict(block_v=16, num_warps=4, hints=False))]
     for _ in range(2):
         d.copy_(pool0)
     for kind, params in rows:
@@ -274,17 +353,19 @@ def main():
     ap.add_argument("--ns", default="64,256")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--amortize", type=int, default=20)
+    ap.add_argument("--grid", choices=("ceiling", "step"), default="ceiling")
     ap.add_argument("--ncu", default=None, help="N,dtype (e.g. 256,float32): launch a few kernels for ncu only")
     args = ap.parse_args()
     if args.ncu:
         n, dt = args.ncu.split(",")
         ncu_targets(int(n), getattr(torch, dt))
         return
-    res = {"env": environment(), "copy": copy_bandwidth(), "cells": []}
+    grid = variant_grid() if args.grid == "ceiling" else step_grid()
+    res = {"env": environment(), "copy": copy_bandwidth(), "grid": args.grid, "cells": []}
     print(f"copy bandwidth {res['copy']['GBps']:.0f} GB/s", flush=True)
     for N in (int(n) for n in args.ns.split(",")):
         for dt in (torch.float32, torch.bfloat16):
-            res["cells"].append(run_cell(N, dt, variant_grid(), args.iters, args.amortize, res["copy"]["GBps"]))
+            res["cells"].append(run_cell(N, dt, grid, args.iters, args.amortize, res["copy"]["GBps"]))
             json.dump(res, open(args.out, "w"), indent=1)
     print(f"wrote {args.out}")
 
