@@ -17,7 +17,9 @@ its memory access pattern allows, on the same pools, as CUDA-graph replays (one 
 * ``step``: decode_step.py's kernel at a (block_v, num_warps);
 * ``tma_step``: the step kernel's math with the state tile loaded and stored through a TMA descriptor;
 * ``dev_step`` (``--grid step``): the step kernel with the hints a switch, at more warps a tile; ``tile``
-  there also without the hints and without the index load (row n), to split the tile's cost.
+  there also without the hints and without the index load (row n), to split the tile's cost;
+* ``--grid index``: the tile and the step at one warp under four memory hints, the tile's index load split
+  into its latency (index loaded, used only in the mask) and the rows' order (identity indices).
 
 Every row is gated: the negations against ``-pool`` (bitwise), the step variants against kda_decode's
 output and pool. ``--ncu`` instead runs each of a few kernels twice at one cell, for Nsight Compute to
@@ -42,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_recurrent import _decode_inputs, _fla_decode_fn, copy_bandwidth, environment  # noqa: E402
 from dev_decode import _timed, launch_step  # noqa: E402
 from kdakit.ops.kda.decode import decode_options, kda_decode  # noqa: E402
-from kdakit.ops.kda.recurrent_forward import state_tile_step, token_activations  # noqa: E402
+from kdakit.ops.kda.recurrent_forward import delta_rule_tile, state_tile_step, token_activations  # noqa: E402
 
 DEV = "cuda"
 HV, K, V = 32, 128, 128
@@ -64,35 +66,63 @@ def _flat_kernel(src, dst, n, BLOCK: tl.constexpr, HINTS: tl.constexpr):
         tl.store(dst + offs, -x, mask=m)
 
 
+# Memory hints (constexpr HINTS) of the tile and dev_step kernels' state load / store
+HINTS_NONE, HINTS_EVICT_STREAM, HINTS_CG_STREAM, HINTS_CG = 0, 1, 2, 3
+# How the tile kernel finds its row (constexpr INDEX): row n with no index load; the loaded index as the row;
+# the index loaded but used only in the mask (its latency before the state load, row n's addresses)
+INDEX_NONE, INDEX_ROW, INDEX_MASK_ONLY = 0, 1, 2
+
+
+@triton.jit
+def _load_state(ptrs, valid, HINTS: tl.constexpr):
+    if HINTS == 1:
+        S = tl.load(ptrs, mask=valid, other=0.0, eviction_policy="evict_first")
+    elif HINTS >= 2:
+        S = tl.load(ptrs, mask=valid, other=0.0, cache_modifier=".cg")
+    else:
+        S = tl.load(ptrs, mask=valid, other=0.0)
+    return S
+
+
+@triton.jit
+def _store_state(ptrs, S, valid, HINTS: tl.constexpr):
+    if HINTS == 1 or HINTS == 2:
+        tl.store(ptrs, S, mask=valid, cache_modifier=".cs")
+    else:
+        tl.store(ptrs, S, mask=valid)
+
+
 @triton.jit
 def _tile_kernel(pool, idx, P, row_stride, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BV: tl.constexpr, HINTS: tl.constexpr = True, LOAD_INDEX: tl.constexpr = True):
+                 BV: tl.constexpr, HINTS: tl.constexpr = 1, INDEX: tl.constexpr = 1):
     NVT: tl.constexpr = V // BV
     pid = tl.program_id(0).to(tl.int64)
     i_n = pid // (HV * NVT)
     i_hv = (pid // NVT) % HV
     i_v = pid % NVT
-    if LOAD_INDEX:
-        slot = tl.load(idx + i_n).to(tl.int64)
-    else:  # decomposition only: row n, no index load before the state's
+    if INDEX == 0:
         slot = i_n
+        r = i_n
+    elif INDEX == 1:
+        slot = tl.load(idx + i_n).to(tl.int64)
+        r = slot
+    else:
+        slot = tl.load(idx + i_n).to(tl.int64)
+        r = i_n
     valid = (slot >= 0) & (slot < P)
     offs_s = (i_hv * V + i_v * BV + tl.arange(0, BV)[:, None]) * K + tl.arange(0, K)[None, :]   # [BV, K]
-    row = pool + slot * row_stride
-    if HINTS:
-        S = tl.load(row + offs_s, mask=valid, other=0.0, eviction_policy="evict_first")
-        tl.store(row + offs_s, -S, mask=valid, cache_modifier=".cs")
-    else:
-        S = tl.load(row + offs_s, mask=valid, other=0.0)
-        tl.store(row + offs_s, -S, mask=valid)
+    row = pool + r * row_stride
+    S = _load_state(row + offs_s, valid, HINTS)
+    _store_state(row + offs_s, -S, valid, HINTS)
 
 
 @triton.jit
 def _dev_step_kernel(q, k, v, g, beta, A_log, dt_bias, pool, state_indices, o, scale, lower_bound, P, row_stride,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                      ROUND_STATE: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BETA: tl.constexpr, HINTS: tl.constexpr):
-    """decode_step._pool_step_kernel with the memory hints a constexpr (the math is the shipped functions')."""
+                     HAS_BIAS: tl.constexpr, BETA: tl.constexpr, HINTS: tl.constexpr, EARLY_STORE: tl.constexpr = False):
+    """decode_step._pool_step_kernel with the memory hints a constexpr (the math is the shipped functions');
+    EARLY_STORE: the state stored before ``o = scale * S q`` is formed (the shipped kernel stores o first)."""
     NVT: tl.constexpr = V // BV
     pid = tl.program_id(0).to(tl.int64)
     i_n = pid // (HV * NVT)
@@ -110,18 +140,19 @@ def _dev_step_kernel(q, k, v, g, beta, A_log, dt_bias, pool, state_indices, o, s
     valid = (slot >= 0) & (slot < P)
     offs_s = (i_hv * V + offs_v[:, None]) * K + offs_k[None, :]                           # [BV, K]
     row = pool + slot * row_stride
-    if HINTS:
-        S = tl.load(row + offs_s, mask=valid, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    else:
-        S = tl.load(row + offs_s, mask=valid, other=0.0).to(tl.float32)
+    S = _load_state(row + offs_s, valid, HINTS).to(tl.float32)
     b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, offs_k < K,
                                               lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
-    S, _, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE, True)
-    tl.store(o + (i_n * HV + i_hv) * V + offs_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty))
-    if HINTS:
-        tl.store(row + offs_s, S.to(pool.dtype.element_ty), mask=valid, cache_modifier=".cs")
+    if EARLY_STORE:
+        _, S, _, _ = delta_rule_tile(S, b_k, b_v, b_a, b_beta)
+        S = S.to(pool.dtype.element_ty)
+        _store_state(row + offs_s, S, valid, HINTS)
+        b_o = scale * tl.sum(S.to(tl.float32) * b_q[None, :], axis=1)                      # [BV]
+        tl.store(o + (i_n * HV + i_hv) * V + offs_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty))
     else:
-        tl.store(row + offs_s, S.to(pool.dtype.element_ty), mask=valid)
+        S, _, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE, True)
+        tl.store(o + (i_n * HV + i_hv) * V + offs_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty))
+        _store_state(row + offs_s, S.to(pool.dtype.element_ty), valid, HINTS)
 
 
 @triton.jit
@@ -176,7 +207,9 @@ def _descriptor(pool, block_v):
 
 
 def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
+    """``params["identity"]``: the rows in order (state_indices = arange) instead of the cell's permutation."""
     N = pool.shape[0]
+    idx_arange = torch.arange(N, device=idx.device, dtype=idx.dtype)
     if kind == "neg_":
         return lambda: pool.neg_()
     if kind in ("flat", "flat_oop"):
@@ -187,8 +220,9 @@ def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
     if kind == "tile":
         bv = params["block_v"]
         return lambda: _tile_kernel[(N * HV * (V // bv),)](
-            pool, idx, pool.shape[0], pool.stride(0), HV=HV, K=K, V=V, BV=bv, HINTS=params.get("hints", True),
-            LOAD_INDEX=params.get("load_index", True), num_warps=params["num_warps"])
+            pool, idx_arange if params.get("identity") else idx, pool.shape[0], pool.stride(0), HV=HV, K=K, V=V,
+            BV=bv, HINTS=int(params.get("hints", HINTS_EVICT_STREAM)), INDEX=params.get("index", INDEX_ROW),
+            num_warps=params["num_warps"])
     if kind == "tma_tile":
         bv = params["block_v"]
         desc = _descriptor(pool, bv)
@@ -208,9 +242,11 @@ def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
         if kind == "dev_step":
             def run():
                 return _dev_step_kernel[(N * HV * (V // bv),)](
-                    t["q"], t["k"], t["v"], t["g"], t["beta"], A_log, dt_bias, pool, idx, out, kopts.scale,
+                    t["q"], t["k"], t["v"], t["g"], t["beta"], A_log, dt_bias, pool,
+                    idx_arange if params.get("identity") else idx, out, kopts.scale,
                     kopts.kernel_lower_bound, pool.shape[0], pool.stride(0), H=HV, HV=HV, K=K, V=V, BV=bv,
-                    ROUND_STATE=pool.dtype == torch.bfloat16, HINTS=params["hints"], num_warps=params["num_warps"],
+                    ROUND_STATE=pool.dtype == torch.bfloat16, HINTS=int(params["hints"]),
+                    EARLY_STORE=bool(params.get("early_store")), num_warps=params["num_warps"],
                     **cx)
             return run
 
@@ -224,21 +260,37 @@ def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
 
 
 def step_grid():
-    """The second run's grid: the step's math at more warps a tile (the first run's counters show the one-warp
-    step at 46 % of its warp slots: 32 one-warp blocks an SM, the block limit), with and without the hints,
-    beside the tiled negation decomposed (index load, hints)."""
+    """The second run's grid (results/dev_decode_ceiling_step_h200.json): the step's math at more warps a tile,
+    with and without the hints (0 / 1), beside the tiled negation with and without the index load."""
     rows = [("flat", dict(block=1024, num_warps=8, hints=False)), ("flat", dict(block=1024, num_warps=1, hints=False))]
-    for hints in (True, False):
-        for load_index in (True, False):
-            rows.append(("tile", dict(block_v=8, num_warps=1, hints=hints, load_index=load_index)))
+    for hints in (HINTS_EVICT_STREAM, HINTS_NONE):
+        for index in (INDEX_ROW, INDEX_NONE):
+            rows.append(("tile", dict(block_v=8, num_warps=1, hints=hints, index=index)))
     for bv, w in ((8, 2), (8, 4), (8, 8)):
-        rows.append(("tile", dict(block_v=bv, num_warps=w, hints=False, load_index=True)))
+        rows.append(("tile", dict(block_v=bv, num_warps=w, hints=HINTS_NONE, index=INDEX_ROW)))
     for bv in (4, 8, 16, 32):
         for w in (1, 2, 4, 8):
             if bv * K // (32 * w) < 2:
                 continue
-            for hints in (True, False):
+            for hints in (HINTS_EVICT_STREAM, HINTS_NONE):
                 rows.append(("dev_step", dict(block_v=bv, num_warps=w, hints=hints)))
+    rows.append(("step", dict(block_v=8, num_warps=1)))
+    return rows
+
+
+def index_grid():
+    """The third run's grid: where the index load's cost comes from (its latency, INDEX_MASK_ONLY; the rows'
+    order, identity) and whether L1 matters (the state through .cg, which leaves L1 to the index and the
+    token's inputs), on the one-warp [8, K] tile."""
+    rows = [("flat", dict(block=1024, num_warps=8, hints=False))]
+    for hints in (HINTS_NONE, HINTS_EVICT_STREAM, HINTS_CG_STREAM, HINTS_CG):
+        for index in (INDEX_NONE, INDEX_ROW, INDEX_MASK_ONLY):
+            rows.append(("tile", dict(block_v=8, num_warps=1, hints=hints, index=index)))
+        rows.append(("tile", dict(block_v=8, num_warps=1, hints=hints, index=INDEX_ROW, identity=True)))
+        for bv in (4, 8):
+            rows.append(("dev_step", dict(block_v=bv, num_warps=1, hints=hints)))
+        rows.append(("dev_step", dict(block_v=8, num_warps=1, hints=hints, identity=True)))
+        rows.append(("dev_step", dict(block_v=8, num_warps=1, hints=hints, early_store=True)))
     rows.append(("step", dict(block_v=8, num_warps=1)))
     return rows
 
@@ -281,9 +333,12 @@ def run_cell(N, pool_dtype, variants, iters, amortize, copy_GBps):
             "floor_us_at_copy_rate": floor_us}
     src, dst = pool0.clone(), torch.empty_like(pool0)
     cell["copy_us"], cell["copy_amortized_us"] = _timed(lambda: dst.copy_(src), iters, amortize)
-    ref_pool, ref_o = pool0.clone(), torch.empty_like(t["v"])
-    kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, A_log=t["A_log"], dt_bias=t["dt_bias"],
-               out=ref_o, check_indices=False, **opts)
+    refs = {}
+    for identity, rows_idx in ((False, idx), (True, torch.arange(N, device=DEV, dtype=idx.dtype))):
+        ref_pool, ref_o = pool0.clone(), torch.empty_like(t["v"])
+        kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, rows_idx, A_log=t["A_log"],
+                   dt_bias=t["dt_bias"], out=ref_o, check_indices=False, **opts)
+        refs[identity] = (ref_pool, ref_o)
     fpool, fout = pool0.clone(), torch.empty_like(t["v"])
     try:
         cell["fla_us"], cell["fla_amortized_us"] = _timed(_fla_decode_fn(t, opts, fpool, idx, fout), iters, amortize)
@@ -306,6 +361,7 @@ def run_cell(N, pool_dtype, variants, iters, amortize, copy_GBps):
             print(f"N={N} {cell['state_dtype']} {r}", flush=True)
             continue
         if kind in ("step", "tma_step", "dev_step"):
+            ref_pool, ref_o = refs[bool(params.get("identity"))]
             r["max_abs_o"] = (o.float() - ref_o.float()).abs().max().item()
             r["max_abs_state"] = (p.float() - ref_pool.float()).abs().max().item()
             r["ok"] = r["max_abs_o"] < 1e-2 and r["max_abs_state"] < 2e-2
@@ -333,8 +389,11 @@ def ncu_targets(N, pool_dtype):
     t, opts, pool0, idx = cell_inputs(N, pool_dtype)
     p, o, d = pool0.clone(), torch.empty_like(t["v"]), torch.empty_like(pool0)
     rows = [("neg_", {}), ("flat", dict(block=1024, num_warps=8, hints=False)), ("tile", dict(block_v=8, num_warps=1)),
-            ("step", dict(block_v=8, num_warps=1)), ("dev_step", dict(block_v=8, num_warps=4, hints=False)),
-            ("dev_step", dict(block_v=8, num_warps=8, hints=False)), ("dev_step", dict(block_v=16, num_warps=4, hints=False))]
+            ("tile", dict(block_v=8, num_warps=1, hints=HINTS_NONE, index=INDEX_NONE)),
+            ("tile", dict(block_v=8, num_warps=1, hints=HINTS_NONE, index=INDEX_MASK_ONLY)),
+            ("tile", dict(block_v=8, num_warps=1, hints=HINTS_CG, index=INDEX_ROW)),
+            ("step", dict(block_v=8, num_warps=1)), ("dev_step", dict(block_v=8, num_warps=1, hints=HINTS_NONE)),
+            ("dev_step", dict(block_v=8, num_warps=1, hints=HINTS_CG))]
     for _ in range(2):
         d.copy_(pool0)
     for kind, params in rows:
@@ -353,14 +412,14 @@ def main():
     ap.add_argument("--ns", default="64,256")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--amortize", type=int, default=20)
-    ap.add_argument("--grid", choices=("ceiling", "step"), default="ceiling")
+    ap.add_argument("--grid", choices=("ceiling", "step", "index"), default="ceiling")
     ap.add_argument("--ncu", default=None, help="N,dtype (e.g. 256,float32): launch a few kernels for ncu only")
     args = ap.parse_args()
     if args.ncu:
         n, dt = args.ncu.split(",")
         ncu_targets(int(n), getattr(torch, dt))
         return
-    grid = variant_grid() if args.grid == "ceiling" else step_grid()
+    grid = {"ceiling": variant_grid, "step": step_grid, "index": index_grid}[args.grid]()
     res = {"env": environment(), "copy": copy_bandwidth(), "grid": args.grid, "cells": []}
     print(f"copy bandwidth {res['copy']['GBps']:.0f} GB/s", flush=True)
     for N in (int(n) for n in args.ns.split(",")):
