@@ -19,7 +19,8 @@ its memory access pattern allows, on the same pools, as CUDA-graph replays (one 
 * ``dev_step`` (``--grid step``): the step kernel with the hints a switch, at more warps a tile; ``tile``
   there also without the hints and without the index load (row n), to split the tile's cost;
 * ``--grid index``: the tile and the step at one warp under four memory hints, the tile's index load split
-  into its latency (index loaded, used only in the mask) and the rows' order (identity indices).
+  into its latency (index loaded, used only in the mask) and the rows' order (identity indices);
+* ``--grid math``: the step's fp32 math in one round of reductions (``o = scale * (S' q + u k.q)``).
 
 Every row is gated: the negations against ``-pool`` (bitwise), the step variants against kda_decode's
 output and pool. ``--ncu`` instead runs each of a few kernels twice at one cell, for Nsight Compute to
@@ -120,9 +121,12 @@ def _tile_kernel(pool, idx, P, row_stride, HV: tl.constexpr, K: tl.constexpr, V:
 def _dev_step_kernel(q, k, v, g, beta, A_log, dt_bias, pool, state_indices, o, scale, lower_bound, P, row_stride,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                      ROUND_STATE: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BETA: tl.constexpr, HINTS: tl.constexpr, EARLY_STORE: tl.constexpr = False):
+                     HAS_BIAS: tl.constexpr, BETA: tl.constexpr, HINTS: tl.constexpr, EARLY_STORE: tl.constexpr = False,
+                     ONE_ROUND: tl.constexpr = False):
     """decode_step._pool_step_kernel with the memory hints a constexpr (the math is the shipped functions');
-    EARLY_STORE: the state stored before ``o = scale * S q`` is formed (the shipped kernel stores o first)."""
+    EARLY_STORE: the state stored before ``o = scale * S q`` is formed (the shipped kernel stores o first);
+    ONE_ROUND (fp32 pools): ``o = scale * (S' q + u (k . q))``, so both of the tile's reductions over K
+    (S' k and S' q) read S' = S D at once and none waits on u; ``k . q`` does not wait on the state."""
     NVT: tl.constexpr = V // BV
     pid = tl.program_id(0).to(tl.int64)
     i_n = pid // (HV * NVT)
@@ -143,7 +147,15 @@ def _dev_step_kernel(q, k, v, g, beta, A_log, dt_bias, pool, state_indices, o, s
     S = _load_state(row + offs_s, valid, HINTS).to(tl.float32)
     b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, offs_k < K,
                                               lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
-    if EARLY_STORE:
+    if ONE_ROUND:
+        tl.static_assert(not ROUND_STATE, "ONE_ROUND forms o from the unrounded state: fp32 pools only")
+        b_kq = tl.sum(b_k * b_q, axis=0)
+        S_dec = S * tl.exp(b_a)[None, :]
+        b_u = b_beta * (b_v - tl.sum(S_dec * b_k[None, :], axis=1))                        # [BV]
+        b_o = scale * (tl.sum(S_dec * b_q[None, :], axis=1) + b_u * b_kq)
+        _store_state(row + offs_s, (S_dec + b_u[:, None] * b_k[None, :]).to(pool.dtype.element_ty), valid, HINTS)
+        tl.store(o + (i_n * HV + i_hv) * V + offs_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty))
+    elif EARLY_STORE:
         _, S, _, _ = delta_rule_tile(S, b_k, b_v, b_a, b_beta)
         S = S.to(pool.dtype.element_ty)
         _store_state(row + offs_s, S, valid, HINTS)
@@ -246,7 +258,8 @@ def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
                     idx_arange if params.get("identity") else idx, out, kopts.scale,
                     kopts.kernel_lower_bound, pool.shape[0], pool.stride(0), H=HV, HV=HV, K=K, V=V, BV=bv,
                     ROUND_STATE=pool.dtype == torch.bfloat16, HINTS=int(params["hints"]),
-                    EARLY_STORE=bool(params.get("early_store")), num_warps=params["num_warps"],
+                    EARLY_STORE=bool(params.get("early_store")), ONE_ROUND=bool(params.get("one_round")),
+                    num_warps=params["num_warps"],
                     **cx)
             return run
 
@@ -291,6 +304,21 @@ def index_grid():
             rows.append(("dev_step", dict(block_v=bv, num_warps=1, hints=hints)))
         rows.append(("dev_step", dict(block_v=8, num_warps=1, hints=hints, identity=True)))
         rows.append(("dev_step", dict(block_v=8, num_warps=1, hints=hints, early_store=True)))
+    rows.append(("step", dict(block_v=8, num_warps=1)))
+    return rows
+
+
+def math_grid():
+    """The fourth run's grid: the step's math in one round of reductions (fp32), at both hints and both row
+    orders, beside the math-free tile."""
+    rows = []
+    for hints in (HINTS_NONE, HINTS_EVICT_STREAM):
+        for identity in (False, True):
+            rows.append(("tile", dict(block_v=8, num_warps=1, hints=hints, index=INDEX_ROW, identity=identity)))
+            for bv in (4, 8):
+                rows.append(("dev_step", dict(block_v=bv, num_warps=1, hints=hints, identity=identity)))
+                rows.append(("dev_step", dict(block_v=bv, num_warps=1, hints=hints, identity=identity,
+                                              one_round=True)))
     rows.append(("step", dict(block_v=8, num_warps=1)))
     return rows
 
@@ -347,6 +375,8 @@ def run_cell(N, pool_dtype, variants, iters, amortize, copy_GBps):
     del fpool
     rows = []
     for kind, params in variants:
+        if params.get("one_round") and pool_dtype != torch.float32:
+            continue  # the one-round form is for fp32 pools (a bf16 pool's o reads the rounded state)
         r = dict(kind=kind, **params)
         p, o, d = pool0.clone(), torch.empty_like(t["v"]), torch.empty_like(pool0)
         try:
@@ -412,14 +442,14 @@ def main():
     ap.add_argument("--ns", default="64,256")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--amortize", type=int, default=20)
-    ap.add_argument("--grid", choices=("ceiling", "step", "index"), default="ceiling")
+    ap.add_argument("--grid", choices=("ceiling", "step", "index", "math"), default="ceiling")
     ap.add_argument("--ncu", default=None, help="N,dtype (e.g. 256,float32): launch a few kernels for ncu only")
     args = ap.parse_args()
     if args.ncu:
         n, dt = args.ncu.split(",")
         ncu_targets(int(n), getattr(torch, dt))
         return
-    grid = {"ceiling": variant_grid, "step": step_grid, "index": index_grid}[args.grid]()
+    grid = {"ceiling": variant_grid, "step": step_grid, "index": index_grid, "math": math_grid}[args.grid]()
     res = {"env": environment(), "copy": copy_bandwidth(), "grid": args.grid, "cells": []}
     print(f"copy bandwidth {res['copy']['GBps']:.0f} GB/s", flush=True)
     for N in (int(n) for n in args.ns.split(",")):
