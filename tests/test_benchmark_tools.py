@@ -696,3 +696,35 @@ def test_bench_recurrent_speculative_gates_catch_the_wrong_initial_row(monkeypat
                         ref(q, k, v, g, beta, pool, idx, None, o, opts, **kw))
     r = br.bench_speculative(4, torch.bfloat16, copy_GBps=1.0, iters=8, S=4, H=2, K=16, V=16)
     assert r["error"] == "correctness gate failed" and "kdakit_graph_ms" not in r and calls == []
+
+
+def test_decode_ceiling_rows_do_what_they_claim(monkeypatch):
+    """dev_decode_ceiling.py's rows under the interpreter at N = 2: every negation variant negates the pool
+    exactly (in place, or into dst), and the step variants give the shipped step kernel's output and pool."""
+    import bench_recurrent
+    import dev_decode_ceiling as c
+
+    from kdakit.testing import assert_close
+
+    monkeypatch.setattr(bench_recurrent, "DEV", "cpu")
+    monkeypatch.setattr(c, "DEV", "cpu")
+    t, opts, pool0, idx = c.cell_inputs(2, torch.float32)
+    assert not torch.equal(idx, torch.arange(2, dtype=idx.dtype)), "the cell's rows must be out of order"
+    ref_pool, ref_o = pool0.clone(), torch.empty_like(t["v"])
+    c.make_launch("step", dict(block_v=8, num_warps=1), t, opts, ref_pool, idx, ref_o)()
+    assert not torch.equal(ref_pool, pool0)
+    rows = [("neg_", {}), ("flat", dict(block=1024, num_warps=1, hints=True)),
+            ("flat_oop", dict(block=4096, num_warps=4, hints=False)), ("tma_tile", dict(block_v=16, num_warps=1))]
+    rows += [("tile", dict(block_v=8, num_warps=1, hints=h, index=1)) for h in range(4)]
+    rows += [("tile", dict(block_v=8, num_warps=1, hints=0, index=i)) for i in (0, 2)]
+    rows += [("dev_step", dict(block_v=8, num_warps=1, hints=1, one_round=True)),
+             ("dev_step", dict(block_v=4, num_warps=1, hints=3, early_store=True)), ("tma_step", dict(block_v=8, num_warps=1))]
+    for kind, params in rows:
+        p, o, d = pool0.clone(), torch.empty_like(t["v"]), torch.empty_like(pool0)
+        c.make_launch(kind, params, t, opts, p, idx, o, d)()
+        if kind.endswith("step"):
+            for name, ref, got in (("o", ref_o, o), ("pool", ref_pool, p)):
+                rep = assert_close(f"{kind} {params} {name}", ref, got, 1e-6)
+                assert rep.max_abs <= 1e-5, rep
+        else:
+            assert torch.equal(d if kind == "flat_oop" else p, -pool0), (kind, params)

@@ -41,8 +41,10 @@ from kdakit.ops.kda.recurrent_forward import MAX_HEAD_DIM, state_tile_step, toke
 # [8, K] tiles on one warp: the fastest of block_v 8-64 x 1-4 warps in three of the four cells of
 # results/dev_decode_h200.json (HV = 32, K = V = 128, one-kernel replays), and 0.3 % behind the best in the
 # fourth: bf16 37.5 / 143.2 us at N = 64 / 256 (16 x 1: 40.3 / 148.1), fp32 70.9 / 274.8 (72.3 / 281.0).
-# Why the smaller tile is faster was not measured (no per-kernel counters were taken); the likely reason is more
-# programs per SM, so more of their loads in flight while others compute.
+# Counters (ncu, N = 256 fp32, results/dev_decode_ceiling_h200.json): at 64 registers, 32 one-warp programs an SM
+# (the block limit) fill the register file; more warps a tile were slower in every cell (2-8 warps, down to 30 %
+# of copy at 8: the K reductions then cross warps; results/dev_decode_ceiling_step_h200.json). What the step loses
+# to a plain in-place pass is the math (2-6 %) and the rows' random order (2-5 %; docs/perf_notes.md, "Decode").
 STEP_BLOCK_V = 8
 STEP_NUM_WARPS = 1
 
