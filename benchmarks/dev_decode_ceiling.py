@@ -20,7 +20,8 @@ its memory access pattern allows, on the same pools, as CUDA-graph replays (one 
   there also without the hints and without the index load (row n), to split the tile's cost;
 * ``--grid index``: the tile and the step at one warp under four memory hints, the tile's index load split
   into its latency (index loaded, used only in the mask) and the rows' order (identity indices);
-* ``--grid math``: the step's fp32 math in one round of reductions (``o = scale * (S' q + u k.q)``).
+* ``--grid math``: the step's fp32 math in one round of reductions (``o = scale * (S' q + u k.q)``);
+* ``--grid order``: the program order, ``group`` sequences' rows interleaved tile by tile.
 
 Every row is gated: the negations against ``-pool`` (bitwise), the step variants against kda_decode's
 output and pool. ``--ncu`` instead runs each of a few kernels twice at one cell, for Nsight Compute to
@@ -75,6 +76,17 @@ INDEX_NONE, INDEX_ROW, INDEX_MASK_ONLY = 0, 1, 2
 
 
 @triton.jit
+def _tile_coords(pid, HV: tl.constexpr, NVT: tl.constexpr, GROUP: tl.constexpr):
+    """Program -> (sequence, value head, v-block): GROUP sequences' tiles interleaved one tile each (GROUP = 1:
+    one sequence's row after another, the step kernel's order)."""
+    TPR: tl.constexpr = HV * NVT
+    i_grp = pid // (GROUP * TPR)
+    rem = pid % (GROUP * TPR)
+    j = rem // GROUP
+    return i_grp * GROUP + rem % GROUP, j // NVT, j % NVT
+
+
+@triton.jit
 def _load_state(ptrs, valid, HINTS: tl.constexpr):
     if HINTS == 1:
         S = tl.load(ptrs, mask=valid, other=0.0, eviction_policy="evict_first")
@@ -95,12 +107,9 @@ def _store_state(ptrs, S, valid, HINTS: tl.constexpr):
 
 @triton.jit
 def _tile_kernel(pool, idx, P, row_stride, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BV: tl.constexpr, HINTS: tl.constexpr = 1, INDEX: tl.constexpr = 1):
+                 BV: tl.constexpr, HINTS: tl.constexpr = 1, INDEX: tl.constexpr = 1, GROUP: tl.constexpr = 1):
     NVT: tl.constexpr = V // BV
-    pid = tl.program_id(0).to(tl.int64)
-    i_n = pid // (HV * NVT)
-    i_hv = (pid // NVT) % HV
-    i_v = pid % NVT
+    i_n, i_hv, i_v = _tile_coords(tl.program_id(0).to(tl.int64), HV, NVT, GROUP)
     if INDEX == 0:
         slot = i_n
         r = i_n
@@ -122,16 +131,14 @@ def _dev_step_kernel(q, k, v, g, beta, A_log, dt_bias, pool, state_indices, o, s
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                      ROUND_STATE: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BETA: tl.constexpr, HINTS: tl.constexpr, EARLY_STORE: tl.constexpr = False,
-                     ONE_ROUND: tl.constexpr = False):
+                     ONE_ROUND: tl.constexpr = False, GROUP: tl.constexpr = 1):
     """decode_step._pool_step_kernel with the memory hints a constexpr (the math is the shipped functions');
     EARLY_STORE: the state stored before ``o = scale * S q`` is formed (the shipped kernel stores o first);
     ONE_ROUND (fp32 pools): ``o = scale * (S' q + u (k . q))``, so both of the tile's reductions over K
-    (S' k and S' q) read S' = S D at once and none waits on u; ``k . q`` does not wait on the state."""
+    (S' k and S' q) read S' = S D at once and none waits on u; ``k . q`` does not wait on the state;
+    GROUP: _tile_coords' program order."""
     NVT: tl.constexpr = V // BV
-    pid = tl.program_id(0).to(tl.int64)
-    i_n = pid // (HV * NVT)
-    i_hv = (pid // NVT) % HV
-    i_v = pid % NVT
+    i_n, i_hv, i_v = _tile_coords(tl.program_id(0).to(tl.int64), HV, NVT, GROUP)
     i_h = i_hv // (HV // H)
     offs_k = tl.arange(0, K)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -234,7 +241,7 @@ def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
         return lambda: _tile_kernel[(N * HV * (V // bv),)](
             pool, idx_arange if params.get("identity") else idx, pool.shape[0], pool.stride(0), HV=HV, K=K, V=V,
             BV=bv, HINTS=int(params.get("hints", HINTS_EVICT_STREAM)), INDEX=params.get("index", INDEX_ROW),
-            num_warps=params["num_warps"])
+            GROUP=params.get("group", 1), num_warps=params["num_warps"])
     if kind == "tma_tile":
         bv = params["block_v"]
         desc = _descriptor(pool, bv)
@@ -259,6 +266,7 @@ def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
                     kopts.kernel_lower_bound, pool.shape[0], pool.stride(0), H=HV, HV=HV, K=K, V=V, BV=bv,
                     ROUND_STATE=pool.dtype == torch.bfloat16, HINTS=int(params["hints"]),
                     EARLY_STORE=bool(params.get("early_store")), ONE_ROUND=bool(params.get("one_round")),
+                    GROUP=params.get("group", 1),
                     num_warps=params["num_warps"],
                     **cx)
             return run
@@ -319,6 +327,21 @@ def math_grid():
                 rows.append(("dev_step", dict(block_v=bv, num_warps=1, hints=hints, identity=identity)))
                 rows.append(("dev_step", dict(block_v=bv, num_warps=1, hints=hints, identity=identity,
                                               one_round=True)))
+    rows.append(("step", dict(block_v=8, num_warps=1)))
+    return rows
+
+
+def order_grid():
+    """The fifth run's grid: the program order. GROUP sequences' rows interleaved tile by tile (1: the step
+    kernel's row after row; N: every row's tile j before any row's tile j + 1), on the math-free tile and the
+    step, with the bench's random rows and in order."""
+    rows = []
+    for identity in (False, True):
+        for group in (1, 2, 4, 16, 64):
+            rows.append(("tile", dict(block_v=8, num_warps=1, hints=HINTS_NONE, index=INDEX_ROW, identity=identity,
+                                      group=group)))
+            for hints in (HINTS_NONE, HINTS_EVICT_STREAM):
+                rows.append(("dev_step", dict(block_v=8, num_warps=1, hints=hints, identity=identity, group=group)))
     rows.append(("step", dict(block_v=8, num_warps=1)))
     return rows
 
@@ -442,14 +465,14 @@ def main():
     ap.add_argument("--ns", default="64,256")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--amortize", type=int, default=20)
-    ap.add_argument("--grid", choices=("ceiling", "step", "index", "math"), default="ceiling")
+    ap.add_argument("--grid", choices=("ceiling", "step", "index", "math", "order"), default="ceiling")
     ap.add_argument("--ncu", default=None, help="N,dtype (e.g. 256,float32): launch a few kernels for ncu only")
     args = ap.parse_args()
     if args.ncu:
         n, dt = args.ncu.split(",")
         ncu_targets(int(n), getattr(torch, dt))
         return
-    grid = {"ceiling": variant_grid, "step": step_grid, "index": index_grid, "math": math_grid}[args.grid]()
+    grid = {"ceiling": variant_grid, "step": step_grid, "index": index_grid, "math": math_grid, "order": order_grid}[args.grid]()
     res = {"env": environment(), "copy": copy_bandwidth(), "grid": args.grid, "cells": []}
     print(f"copy bandwidth {res['copy']['GBps']:.0f} GB/s", flush=True)
     for N in (int(n) for n in args.ns.split(",")):
