@@ -256,16 +256,18 @@ def gate_log_decay_bwd(da, x, expA, lower_bound, GATE: tl.constexpr):
 def gate_log_decay_bwd_floored(da, x, a, expA, lower_bound, GATE: tl.constexpr):
     """gate_log_decay_bwd of a log-decay clamped to ``>= LOG_DECAY_FLOOR`` on load (the backward of both chunk
     pipelines): ``a`` is the clamped value (0 on padded entries), and where the clamp holds the gradient is 0.
+    A NaN log-decay is not clamped (gate_from_preact propagates it), so its gradient stays NaN, as on the
+    PyTorch path and in the recurrent kernels: the test is ``a <= floor`` (false for NaN), not ``a > floor``.
     The lower-bound gate (``a >= lower_bound >= -5``) never reaches the floor."""
     dx, dlog = gate_log_decay_bwd(da, x, expA, lower_bound, GATE)
     if GATE == 1:
-        live = a > LOG_DECAY_FLOOR_TL
-        dx = tl.where(live, dx, 0.0)
-        # d a / d A_log = a: the given a, which is the unclamped one wherever live, and 0 on padded entries
+        floored = a <= LOG_DECAY_FLOOR_TL
+        dx = tl.where(floored, 0.0, dx)
+        # d a / d A_log = a: the given a, which is the unclamped one wherever not floored, and 0 on padded entries
         # (gate_log_decay_bwd's recomputed a is not: padded entries see the gate of dt_bias alone)
-        dlog = tl.where(live, da * a, 0.0)
+        dlog = tl.where(floored, 0.0, da * a)
     elif GATE == 0:
-        dx = tl.where(a > LOG_DECAY_FLOOR_TL, dx, 0.0)
+        dx = tl.where(a <= LOG_DECAY_FLOOR_TL, 0.0, dx)
     return dx, dlog
 
 

@@ -87,8 +87,10 @@ def _chunk_step(qc, kc, vc, ac, bc, S, scale):
     C = qc.shape[-2]
     # A log-decay of -inf (or a raw gate of +inf under softplus) would make G_i - G_j = -inf - -inf = NaN;
     # exp(-1e4) is already 0 in float64, so flooring there changes no finite result (the Triton kernels
-    # floor at -110, below float32's smallest denormal, for the same reason).
-    G64 = ac.to(torch.float64).clamp(min=LOG_DECAY_FLOOR).cumsum(-2)       # [N, HV, C, K]
+    # floor at -110, below float32's smallest denormal, for the same reason). A where, not clamp: clamp's
+    # gradient is 0 at a NaN log-decay, and a NaN's gradient must stay NaN, as in the kernels.
+    a64 = ac.to(torch.float64)
+    G64 = torch.where(a64 < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, a64).cumsum(-2)  # [N, HV, C, K]
     diff = G64[..., :, None, :] - G64[..., None, :, :]                     # [N, HV, C, C, K]
     incl = torch.ones(C, C, dtype=torch.bool, device=qc.device).tril()
     diff = diff.masked_fill(~incl[:, :, None], float("-inf"))

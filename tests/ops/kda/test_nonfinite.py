@@ -82,3 +82,19 @@ def test_kda_decode_propagates_nan_gate_to_its_row_only(backend, gate):
     assert o[BAD_SEQ].isnan().all() and torch.isfinite(o[[0, 2]]).all()
     assert pool[0].isnan().any(), "the bad sequence's row (0) holds its NaN state"
     assert torch.isfinite(pool[[1, 3]]).all() and torch.equal(pool[2], before[2])
+
+
+@pytest.mark.parametrize("op", ["chunk", "recurrent"])
+@pytest.mark.parametrize("gate", ["softplus", "safe", "none"])
+def test_nan_gate_gradient_is_nan_and_stays_in_its_sequence(backend, op, gate):
+    """Backward of a NaN gate entry: its own dg is NaN (the chunk kernels' log-decay floor once zeroed it, while
+    the PyTorch path and the recurrent kernels gave NaN), and the other sequences' token gradients are finite."""
+    t, kw = _inputs(gate, "g")
+    for x in t.values():
+        x.requires_grad_(True)
+    fn = chunk_kda if op == "chunk" else fused_recurrent_kda
+    o, _ = fn(**t, **kw, output_final_state=True)
+    o.backward(torch.randn(o.shape, generator=torch.Generator().manual_seed(1)))
+    assert t["g"].grad[BAD_SEQ, BAD_TOKEN].isnan().all(), t["g"].grad[BAD_SEQ, BAD_TOKEN]
+    for name in ("q", "k", "v", "g", "beta"):
+        assert torch.isfinite(t[name].grad[[0, 2]]).all(), f"a NaN reached another sequence's d{name}"

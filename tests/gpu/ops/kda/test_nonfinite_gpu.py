@@ -43,3 +43,18 @@ def test_nan_softplus_gate_in_a_decode_step():
     o = kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, A_log=t["A_log"], dt_bias=t["dt_bias"], **kw)
     assert o[BAD_SEQ].isnan().all() and pool[BAD_SEQ].isnan().any()
     assert torch.isfinite(o[[0, 2]]).all() and torch.isfinite(pool[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("op", ["chunk", "recurrent"])
+def test_nan_softplus_gate_gradient_is_nan_in_its_sequence_only(op):
+    """The backward on the GPU: the NaN entry's own dg is NaN (the chunk backward's floor test is false for NaN
+    on sm_90 as in the interpreter) and the other sequences' token gradients are finite."""
+    t, kw = _inputs()
+    for x in t.values():
+        x.requires_grad_(True)
+    fn = chunk_kda if op == "chunk" else fused_recurrent_kda
+    o, _ = fn(**t, **kw, output_final_state=True)
+    o.backward(torch.randn(o.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(o.dtype))
+    assert t["g"].grad[BAD_SEQ, BAD_TOKEN].isnan().all()
+    for name in ("q", "k", "v", "g", "beta"):
+        assert torch.isfinite(t[name].grad[[0, 2]]).all(), f"a NaN reached another sequence's d{name}"
