@@ -233,19 +233,25 @@ def _timed(fn, iters, amortize):
     return one, amortized_us(fn, amortize, iters)
 
 
+def copy_cell(N, pool0, copy_GBps, iters, amortize):
+    """A cell's record with its floor (the pool read and written once at the copy rate) and a device copy of the
+    pool's bytes timed both ways. -> (cell, floor in us)"""
+    nbytes = 2 * pool0.numel() * pool0.element_size()
+    floor_us = nbytes / copy_GBps / 1e3
+    cell = {"N": N, "state_dtype": str(pool0.dtype).replace("torch.", ""), "state_bytes": nbytes,
+            "floor_us_at_copy_rate": floor_us}
+    src, dst = pool0.clone(), torch.empty_like(pool0)
+    cell["copy_us"], cell["copy_amortized_us"] = _timed(lambda: dst.copy_(src), iters, amortize)
+    return cell, floor_us
+
+
 def run_cell(N, pool_dtype, variants, iters, amortize, copy_GBps, with_fla):
     H, K, V = 32, 128, 128
     t, opts = _decode_inputs(N, H, K, V)
     gen = torch.Generator(device=DEV).manual_seed(7)
     pool0 = (0.3 * torch.randn(N, H, V, K, device=DEV, generator=gen)).to(pool_dtype)
     idx = torch.randperm(N, device=DEV, generator=gen).to(torch.int32)
-    nbytes = 2 * pool0.numel() * pool0.element_size()
-    floor_us = nbytes / copy_GBps / 1e3
-    cell = {"N": N, "state_dtype": str(pool_dtype).replace("torch.", ""), "state_bytes": nbytes,
-            "floor_us_at_copy_rate": floor_us}
-
-    src, dst = pool0.clone(), torch.empty_like(pool0)
-    cell["copy_us"], cell["copy_amortized_us"] = _timed(lambda: dst.copy_(src), iters, amortize)
+    cell, floor_us = copy_cell(N, pool0, copy_GBps, iters, amortize)
 
     ref_pool, ref_o = pool0.clone(), torch.empty_like(t["v"])
     kda_decode(t["q"], t["k"], t["v"], t["g"], t["beta"], ref_pool, idx, A_log=t["A_log"], dt_bias=t["dt_bias"],

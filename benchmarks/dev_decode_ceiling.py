@@ -44,7 +44,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_recurrent import _decode_inputs, _fla_decode_fn, copy_bandwidth, environment  # noqa: E402
-from dev_decode import _timed, launch_step  # noqa: E402
+from dev_decode import _timed, copy_cell, launch_step  # noqa: E402
 from kdakit.ops.kda.decode import decode_options, kda_decode  # noqa: E402
 from kdakit.ops.kda.recurrent_forward import delta_rule_tile, state_tile_step, token_activations  # noqa: E402
 
@@ -84,6 +84,19 @@ def _tile_coords(pid, HV: tl.constexpr, NVT: tl.constexpr, GROUP: tl.constexpr):
     rem = pid % (GROUP * TPR)
     j = rem // GROUP
     return i_grp * GROUP + rem % GROUP, j // NVT, j % NVT
+
+
+@triton.jit
+def _token_inputs(q, k, v, g, beta, i_n, i_hv, offs_k, offs_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr):
+    """One tile's raw token inputs as fp32, loaded as decode_step._pool_step_kernel loads them:
+    -> (q [K], k [K], g [K], v [BV], beta)"""
+    i_h = i_hv // (HV // H)
+    b_q = tl.load(q + (i_n * H + i_h) * K + offs_k).to(tl.float32)
+    b_k = tl.load(k + (i_n * H + i_h) * K + offs_k).to(tl.float32)
+    b_g = tl.load(g + (i_n * HV + i_hv) * K + offs_k).to(tl.float32)
+    b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)
+    return b_q, b_k, b_g, b_v, tl.load(beta + i_n * HV + i_hv).to(tl.float32)
 
 
 @triton.jit
@@ -139,14 +152,9 @@ def _dev_step_kernel(q, k, v, g, beta, A_log, dt_bias, pool, state_indices, o, s
     GROUP: _tile_coords' program order."""
     NVT: tl.constexpr = V // BV
     i_n, i_hv, i_v = _tile_coords(tl.program_id(0).to(tl.int64), HV, NVT, GROUP)
-    i_h = i_hv // (HV // H)
     offs_k = tl.arange(0, K)
     offs_v = i_v * BV + tl.arange(0, BV)
-    b_q = tl.load(q + (i_n * H + i_h) * K + offs_k).to(tl.float32)                        # [K]
-    b_k = tl.load(k + (i_n * H + i_h) * K + offs_k).to(tl.float32)
-    b_g = tl.load(g + (i_n * HV + i_hv) * K + offs_k).to(tl.float32)
-    b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)                      # [BV]
-    b_beta = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
+    b_q, b_k, b_g, b_v, b_beta = _token_inputs(q, k, v, g, beta, i_n, i_hv, offs_k, offs_v, H, HV, K, V)
     slot = tl.load(state_indices + i_n).to(tl.int64)
     valid = (slot >= 0) & (slot < P)
     offs_s = (i_hv * V + offs_v[:, None]) * K + offs_k[None, :]                           # [BV, K]
@@ -177,10 +185,7 @@ def _dev_step_kernel(q, k, v, g, beta, A_log, dt_bias, pool, state_indices, o, s
 @triton.jit
 def _tma_tile_kernel(desc, idx, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
     NVT: tl.constexpr = V // BV
-    pid = tl.program_id(0)
-    i_n = pid // (HV * NVT)
-    i_hv = (pid // NVT) % HV
-    i_v = pid % NVT
+    i_n, i_hv, i_v = _tile_coords(tl.program_id(0), HV, NVT, 1)
     slot = tl.load(idx + i_n)
     r0 = (slot * HV + i_hv) * V + i_v * BV
     S = desc.load([r0, 0])                                                                   # [BV, K]
@@ -193,18 +198,10 @@ def _tma_step_kernel(q, k, v, g, beta, A_log, dt_bias, desc, state_indices, o, s
                      ROUND_STATE: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BETA: tl.constexpr):
     NVT: tl.constexpr = V // BV
-    pid = tl.program_id(0)
-    i_n = pid // (HV * NVT)
-    i_hv = (pid // NVT) % HV
-    i_v = pid % NVT
-    i_h = i_hv // (HV // H)
+    i_n, i_hv, i_v = _tile_coords(tl.program_id(0), HV, NVT, 1)
     offs_k = tl.arange(0, K)
     offs_v = i_v * BV + tl.arange(0, BV)
-    b_q = tl.load(q + (i_n * H + i_h) * K + offs_k).to(tl.float32)                        # [K]
-    b_k = tl.load(k + (i_n * H + i_h) * K + offs_k).to(tl.float32)
-    b_g = tl.load(g + (i_n * HV + i_hv) * K + offs_k).to(tl.float32)
-    b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)                      # [BV]
-    b_beta = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
+    b_q, b_k, b_g, b_v, b_beta = _token_inputs(q, k, v, g, beta, i_n, i_hv, offs_k, offs_v, H, HV, K, V)
     slot = tl.load(state_indices + i_n)
     r0 = (slot * HV + i_hv) * V + i_v * BV
     S = desc.load([r0, 0]).to(tl.float32)                                                   # [BV, K]
@@ -378,12 +375,7 @@ def cell_inputs(N, pool_dtype):
 
 def run_cell(N, pool_dtype, variants, iters, amortize, copy_GBps):
     t, opts, pool0, idx = cell_inputs(N, pool_dtype)
-    nbytes = 2 * pool0.numel() * pool0.element_size()
-    floor_us = nbytes / copy_GBps / 1e3
-    cell = {"N": N, "state_dtype": str(pool_dtype).replace("torch.", ""), "state_bytes": nbytes,
-            "floor_us_at_copy_rate": floor_us}
-    src, dst = pool0.clone(), torch.empty_like(pool0)
-    cell["copy_us"], cell["copy_amortized_us"] = _timed(lambda: dst.copy_(src), iters, amortize)
+    cell, floor_us = copy_cell(N, pool0, copy_GBps, iters, amortize)
     refs = {}
     for identity, rows_idx in ((False, idx), (True, torch.arange(N, device=DEV, dtype=idx.dtype))):
         ref_pool, ref_o = pool0.clone(), torch.empty_like(t["v"])
