@@ -56,18 +56,6 @@ HV, K, V = 32, 128, 128
 # Kernels
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit
-def _flat_kernel(src, dst, n, BLOCK: tl.constexpr, HINTS: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    if HINTS:
-        x = tl.load(src + offs, mask=m, eviction_policy="evict_first")
-        tl.store(dst + offs, -x, mask=m, cache_modifier=".cs")
-    else:
-        x = tl.load(src + offs, mask=m)
-        tl.store(dst + offs, -x, mask=m)
-
-
 # Memory hints (constexpr HINTS) of the tile and dev_step kernels' state load / store
 HINTS_NONE, HINTS_EVICT_STREAM, HINTS_CG_STREAM, HINTS_CG = 0, 1, 2, 3
 # How the tile kernel finds its row (constexpr INDEX): row n with no index load; the loaded index as the row;
@@ -116,6 +104,13 @@ def _store_state(ptrs, S, valid, HINTS: tl.constexpr):
         tl.store(ptrs, S, mask=valid, cache_modifier=".cs")
     else:
         tl.store(ptrs, S, mask=valid)
+
+
+@triton.jit
+def _flat_kernel(src, dst, n, BLOCK: tl.constexpr, HINTS: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    _store_state(dst + offs, -_load_state(src + offs, m, HINTS), m, HINTS)
 
 
 @triton.jit
@@ -225,18 +220,19 @@ def _descriptor(pool, block_v):
 def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
     """``params["identity"]``: the rows in order (state_indices = arange) instead of the cell's permutation."""
     N = pool.shape[0]
-    idx_arange = torch.arange(N, device=idx.device, dtype=idx.dtype)
+    rows = torch.arange(N, device=idx.device, dtype=idx.dtype) if params.get("identity") else idx
     if kind == "neg_":
         return lambda: pool.neg_()
     if kind in ("flat", "flat_oop"):
         n, blk = pool.numel(), params["block"]
         target = pool if kind == "flat" else dst
-        return lambda: _flat_kernel[(triton.cdiv(n, blk),)](pool, target, n, BLOCK=blk, HINTS=params["hints"],
+        hints = HINTS_EVICT_STREAM if params["hints"] else HINTS_NONE
+        return lambda: _flat_kernel[(triton.cdiv(n, blk),)](pool, target, n, BLOCK=blk, HINTS=hints,
                                                             num_warps=params["num_warps"])
     if kind == "tile":
         bv = params["block_v"]
         return lambda: _tile_kernel[(N * HV * (V // bv),)](
-            pool, idx_arange if params.get("identity") else idx, pool.shape[0], pool.stride(0), HV=HV, K=K, V=V,
+            pool, rows, pool.shape[0], pool.stride(0), HV=HV, K=K, V=V,
             BV=bv, HINTS=int(params.get("hints", HINTS_EVICT_STREAM)), INDEX=params.get("index", INDEX_ROW),
             GROUP=params.get("group", 1), num_warps=params["num_warps"])
     if kind == "tma_tile":
@@ -258,8 +254,7 @@ def make_launch(kind, params, t, opts, pool, idx, out, dst=None):
         if kind == "dev_step":
             def run():
                 return _dev_step_kernel[(N * HV * (V // bv),)](
-                    t["q"], t["k"], t["v"], t["g"], t["beta"], A_log, dt_bias, pool,
-                    idx_arange if params.get("identity") else idx, out, kopts.scale,
+                    t["q"], t["k"], t["v"], t["g"], t["beta"], A_log, dt_bias, pool, rows, out, kopts.scale,
                     kopts.kernel_lower_bound, pool.shape[0], pool.stride(0), H=HV, HV=HV, K=K, V=V, BV=bv,
                     ROUND_STATE=pool.dtype == torch.bfloat16, HINTS=int(params["hints"]),
                     EARLY_STORE=bool(params.get("early_store")), ONE_ROUND=bool(params.get("one_round")),
