@@ -27,7 +27,7 @@ forward+backward against the chunked path. Writes a JSON results file.
    the row, with fewer timed replays than the row; the fastest config per cell and per state
    dtype is recorded.
 3. Recurrent forward+backward (``kdakit.fused_recurrent_kda`` with autograd, eager) at
-   T in {1, 17, 1024} against ``kdakit.ops.kda.chunk.chunk_kda`` at the same shapes, plus
+   T in {1, 17, 1024} against ``kdakit.ops.kda.chunk.api.chunk_kda`` at the same shapes, plus
    the recurrent kernels alone (direct calls replayed from a CUDA graph) and the backward's
    scratch size.
 
@@ -377,7 +377,7 @@ def _scratch_MiB(t, opts, do, dht) -> float:
 
 
 def _chunk_fn():
-    from kdakit.ops.kda.chunk import chunk_kda
+    from kdakit.ops.kda.chunk.api import chunk_kda
 
     return chunk_kda
 

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from kdakit.ops.kda.backend import select_backend
-from kdakit.ops.kda.chunk import chunk_kda
+from kdakit.ops.kda.chunk.api import chunk_kda
 from kdakit.ops.kda.naive import naive_recurrent_kda
 from kdakit.testing import SPEC_RMS_LIMITS, error_report
 

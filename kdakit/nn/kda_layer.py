@@ -81,7 +81,7 @@ import torch.nn.functional as F
 from kdakit.nn.cache import KDACache, read_layer_state
 from kdakit.nn.gated_norm import GatedRMSNorm
 from kdakit.nn.short_conv import ShortConvolution
-from kdakit.ops.kda.chunk import chunk_kda
+from kdakit.ops.kda.chunk.api import chunk_kda
 from kdakit.ops.kda.decode import kda_decode
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
 from kdakit.ops.kda.state_pool import padded_row_writes

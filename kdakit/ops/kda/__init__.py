@@ -4,7 +4,7 @@ the serving decode step and the execution plan."""
 # custom_ops registers torch.ops.kdakit.* (what torch.compile traces); imported first so the ops exist
 # whichever kdakit module a caller imports (this package's __init__ runs before any of them)
 from kdakit.ops.kda import custom_ops  # noqa: F401
-from kdakit.ops.kda.chunk import chunk_kda
+from kdakit.ops.kda.chunk.api import chunk_kda
 from kdakit.ops.kda.decode import kda_decode
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
 from kdakit.ops.kda.naive import naive_recurrent_kda

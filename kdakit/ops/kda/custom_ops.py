@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from kdakit.ops.kda.backend import select_backend
-from kdakit.ops.kda.chunk import chunk_kda
+from kdakit.ops.kda.chunk.api import chunk_kda
 from kdakit.ops.kda.decode import kda_decode
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
 from kdakit.ops.kda.preprocess import compute_dtype
