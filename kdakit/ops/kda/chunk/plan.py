@@ -7,6 +7,8 @@ to the device once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kdakit.ops.kda.chunk.tiles import CHUNK
@@ -34,3 +36,61 @@ def chunk_table(B: int, T: int, seqlens: list[int] | None, device) -> torch.Tens
     rows = chunk_table_rows(B, T, seqlens)
     table = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), 4)
     return table.to(device)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How one call walks its chunks: the chunk table in window order, the windows, the scratch size.
+
+    A window holds the chunks at positions ``[w * window_chunks, (w + 1) * window_chunks)`` of every sequence,
+    so that each launch runs every sequence (the walks' parallelism); within a window the rows are grouped by
+    sequence, in order. ``seq_rows[w, n]`` = (first slot of sequence n in window w, its chunk count there).
+    """
+
+    table: torch.Tensor  # int32 [n_chunks, 4], window-major
+    window_rows: tuple[tuple[int, int], ...]  # each window's [start, stop) rows of the table
+    seq_rows: torch.Tensor  # int32 [n_windows, N, 2]
+    n_seqs: int
+    window_chunks: int
+    max_slots: int  # the largest window's chunk count: the scratch's leading size
+
+    @property
+    def n_windows(self) -> int:
+        return len(self.window_rows)
+
+
+def make_chunk_plan(B: int, T: int, seqlens: list[int] | None, device, window_tokens: int | None = None) -> ChunkPlan:
+    """The plan of a call with B x T tokens (``seqlens``: packed lengths, B == 1). ``window_tokens``: the
+    window's length, a positive multiple of CHUNK (None: one window holding every chunk)."""
+    lengths = [T] * B if seqlens is None else [int(x) for x in seqlens]
+    starts, acc = [], 0
+    for n, length in enumerate(lengths):
+        starts.append(n * T if seqlens is None else acc)
+        acc += length
+    n_chunks = [-(-length // CHUNK) for length in lengths]
+    most = max(n_chunks, default=0)
+    if window_tokens is None:
+        wc = max(most, 1)
+    else:
+        if window_tokens <= 0 or window_tokens % CHUNK:
+            raise ValueError(f"window_tokens must be a positive multiple of {CHUNK}, got {window_tokens}")
+        wc = window_tokens // CHUNK
+    n_windows = max(-(-most // wc), 1)
+    rows, window_rows, seq_rows = [], [], []
+    for w in range(n_windows):
+        first = len(rows)
+        per_seq = []
+        for n, length in enumerate(lengths):
+            c0, c1 = w * wc, min((w + 1) * wc, n_chunks[n])
+            per_seq.append((len(rows) - first, max(c1 - c0, 0)))
+            for c in range(c0, c1):
+                t0 = c * CHUNK
+                b, base = (n, 0) if seqlens is None else (0, starts[n])
+                rows.append((n, b, base + t0, min(CHUNK, length - t0)))
+        window_rows.append((first, len(rows)))
+        seq_rows.append(per_seq)
+    table = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), 4).to(device)
+    seq = torch.tensor(seq_rows, dtype=torch.int32).reshape(n_windows, len(lengths), 2).to(device)
+    max_slots = max((b - a for a, b in window_rows), default=0)
+    return ChunkPlan(table=table, window_rows=tuple(window_rows), seq_rows=seq, n_seqs=len(lengths),
+                     window_chunks=wc, max_slots=max_slots)

@@ -1,0 +1,63 @@
+"""The 64-token pipeline's autograd Function and its entry point (``chunk64_kda``): validated inputs and their
+``KDAOptions`` in, ``(o, final_state)`` out.
+
+Saved for the backward: the inputs autograd already holds and the state entering every window
+(``forward.chunk_fwd``); nothing else that grows with T. Token tensors may be strided views (the kernels read
+their strides; only the last dimension must be unit-stride).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdakit.ops.kda.chunk.backward import chunk_bwd
+from kdakit.ops.kda.chunk.forward import chunk_fwd
+from kdakit.ops.kda.chunk.plan import ChunkPlan, make_chunk_plan
+from kdakit.ops.kda.chunk.tiles import MAX_HEAD_DIM, check_token_strides
+from kdakit.ops.kda.options import KDAOptions
+from kdakit.ops.kda.plan import sequence_lengths
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class Chunk64Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, plan: ChunkPlan, opts: KDAOptions):
+        o, final, checkpoints = chunk_fwd(q, k, v, g, beta, opts=opts, plan=plan, A_log=A_log, dt_bias=dt_bias,
+                                          initial_state=initial_state)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, checkpoints)
+        ctx.plan, ctx.opts = plan, opts
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, A_log, dt_bias, initial_state, checkpoints = ctx.saved_tensors
+        if do.stride(-1) != 1:
+            # autograd's expanded cotangent of a reduction (o.sum()) has stride 0 everywhere
+            do = do.contiguous()
+        dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = chunk_bwd(
+            q, k, v, g, beta, do, dht, opts=ctx.opts, plan=ctx.plan, checkpoints=checkpoints, A_log=A_log,
+            dt_bias=dt_bias, initial_state=initial_state)
+        if dh0 is not None:
+            dh0 = dh0.to(initial_state.dtype)
+        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None
+
+
+def chunk64_kda(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions,
+                window_tokens: int | None = None):
+    """Validated inputs (see ``kdakit.chunk_kda``; gate parameters as ``opts.kernel_gate_params`` gives them)
+    -> ``(o, final_state or None)`` on the 64-token pipeline. ``window_tokens``: the plan's window (None: one
+    window over the whole call)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.dtype not in TRITON_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32 for the Triton kernels, got {t.dtype}")
+        check_token_strides(name, t)
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"K and V must be <= {MAX_HEAD_DIM} for the Triton kernels, got K={q.shape[-1]}, "
+                         f"V={v.shape[-1]}")
+    seqlens = None
+    if cu_seqlens is not None:
+        seqlens = list(opts.shape.seqlens) if opts.shape.seqlens is not None else sequence_lengths(1, 0, cu_seqlens)
+    plan = make_chunk_plan(q.shape[0], q.shape[1], seqlens, q.device, window_tokens)
+    o, final = Chunk64Function.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, plan, opts)
+    return o, (final if opts.output_final_state else None)

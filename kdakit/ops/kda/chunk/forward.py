@@ -1,0 +1,79 @@
+"""Forward of the 64-token chunk pipeline (docs/chunk_pipeline.md): per window of chunks, the state-independent
+stages (prep, intra, wu) in parallel over the window's chunks and value heads, then the state walk, which
+carries each sequence's state from window to window and writes o.
+
+Saved for the backward: the state entering every window (``checkpoints``, fp32 ``[n_windows, N, HV, K, V]``);
+the backward recomputes a window's intermediates from it. Scratch (the slot tensors) is sized by the largest
+window and reused by every window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdakit.ops.kda.chunk.intra import run_intra
+from kdakit.ops.kda.chunk.plan import ChunkPlan
+from kdakit.ops.kda.chunk.prep import run_prep, run_wu
+from kdakit.ops.kda.chunk.tiles import CHUNK, SUB
+from kdakit.ops.kda.chunk.walk import run_walk_fwd
+from kdakit.ops.kda.options import KDAOptions
+
+
+def forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, device) -> dict:
+    """The forward's slot tensors for a window of n chunks (docs/chunk_pipeline.md, "Slot tensors")."""
+    f32 = torch.float32
+    return dict(
+        gc=torch.empty(n, HV, CHUNK, K, dtype=f32, device=device),
+        bt=torch.empty(n, HV, CHUNK, dtype=f32, device=device),
+        rq=torch.empty(n, H, CHUNK, dtype=f32, device=device),
+        rk=torch.empty(n, H, CHUNK, dtype=f32, device=device),
+        aqk=torch.empty(n, HV, CHUNK, CHUNK, dtype=dtype, device=device),
+        akk_d=torch.empty(n, HV, CHUNK, SUB, dtype=f32, device=device),
+        tinv=torch.empty(n, HV, CHUNK, CHUNK, dtype=dtype, device=device),
+        w=torch.empty(n, HV, CHUNK, K, dtype=dtype, device=device),
+        qg=torch.empty(n, HV, CHUNK, K, dtype=dtype, device=device),
+        kd=torch.empty(n, HV, CHUNK, K, dtype=dtype, device=device),
+        u=torch.empty(n, HV, CHUNK, V, dtype=dtype, device=device),
+        h=torch.empty(n, HV, K, V, dtype=dtype, device=device),
+    )
+
+
+def window_intermediates(opts: KDAOptions, rows: torch.Tensor, s: dict, q, k, v, g, beta, A_log, dt_bias) -> dict:
+    """prep, intra and wu of one window (rows of the chunk table) into the first ``len(rows)`` slots of ``s``;
+    returns those slot views."""
+    n = rows.shape[0]
+    x = {name: t[:n] for name, t in s.items()}
+    run_prep(opts, rows, q, k, g, beta, A_log, dt_bias, x["gc"], x["bt"], x["rq"], x["rk"])
+    run_intra(opts, rows, q, k, x["gc"], x["bt"], x["rq"], x["rk"], x["aqk"], x["akk_d"], x["tinv"])
+    run_wu(opts, rows, q, k, v, x["gc"], x["bt"], x["rq"], x["rk"], x["tinv"], x["w"], x["u"], x["qg"], x["kd"])
+    return x
+
+
+def state_carry(initial_state, N: int, HV: int, K: int, V: int, v_first: bool, device) -> torch.Tensor:
+    """fp32 ``[N, HV, K, V]`` carry from the initial state (either layout) or zeros."""
+    if initial_state is None:
+        return torch.zeros(N, HV, K, V, dtype=torch.float32, device=device)
+    h0 = initial_state.transpose(-1, -2) if v_first else initial_state
+    return h0.to(torch.float32).clone()
+
+
+def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_bias, initial_state):
+    """-> (o ``[B, T, HV, V]`` in v's dtype, final state fp32 in the call's layout or None, checkpoints)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+    carry = state_carry(initial_state, plan.n_seqs, HV, K, V, opts.state_v_first, q.device)
+    checkpoints = torch.empty(plan.n_windows, *carry.shape, dtype=torch.float32, device=q.device)
+    s = forward_slots(plan.max_slots, H, HV, K, V, q.dtype, q.device)
+    for w, (r0, r1) in enumerate(plan.window_rows):
+        checkpoints[w].copy_(carry)
+        if r1 == r0:
+            continue
+        rows = plan.table[r0:r1]
+        x = window_intermediates(opts, rows, s, q, k, v, g, beta, A_log, dt_bias)
+        run_walk_fwd(opts, rows, plan.seq_rows[w], x["w"], x["u"], x["qg"], x["kd"], x["aqk"], x["gc"], carry,
+                     x["h"], o)
+    final = None
+    if opts.output_final_state:
+        final = carry.transpose(-1, -2).contiguous() if opts.state_v_first else carry
+    return o, final, checkpoints
