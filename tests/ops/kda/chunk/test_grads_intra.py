@@ -1,0 +1,239 @@
+"""grads_intra (kdakit/ops/kda/chunk/grads_intra.py): the pairwise gradients of Aqk and A = diag(β) Akk.
+
+The kernel's increments to dqh, dkh, dgs, dbs (slots filled with random values first, subtracted after) are
+compared with float64 autograd of the two matrices as functions of q̂, k̂, G and β, per chunk and value head,
+for every gate's kind of G: safe (log-decays in [-5, 0], on the SAFE path and on the token-parallel one),
+softplus-like (down to -40 per token) and raw with -110 (the clamp value) entries. Shapes cover K = 24 / 32 /
+100 (several K blocks), H = 1 and 2 with HV = 4, fixed-length B = 2 and packed sequences with short chunks and
+a zero-length sequence, q and k as strided views of one fused tensor, bf16 and fp32. Entries the kernel must
+not read (gc's padded rows, daqk / dakk above the diagonal and outside the chunk) hold NaN. An sm_90a build of
+every variant checks registers and spills.
+"""
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kdakit.ops.kda.chunk.grads_intra import run_grads_intra
+from kdakit.ops.kda.chunk.plan import chunk_table, chunk_table_rows
+from kdakit.ops.kda.chunk.tiles import CHUNK
+from kdakit.ops.kda.options import KDAOptions
+from kdakit.ops.kda.validate import KDAShape
+
+from .._sm90_build import run_sm90_build
+
+C = CHUNK
+
+
+def make_opts(H, HV, K, gate):
+    """KDAOptions for a gate kind: 'safe' (lower_bound = -5: the SAFE path), 'softplus', 'raw', 'raw_safe'
+    (safe_gate=True with a raw log-decay: the SAFE path too), 'safe_exact' (a lower bound of -6: the token-parallel
+    path, on log-decays in [-5, 0])."""
+    in_kernel = gate in ("safe", "softplus", "safe_exact")
+    return KDAOptions(
+        shape=KDAShape(B=1, T=C, H=H, HV=HV, K=K, V=K, N=1), scale=K ** -0.5, output_final_state=False,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=in_kernel, use_beta_sigmoid_in_kernel=True,
+        allow_neg_eigval=False, safe_gate=gate == "raw_safe", lower_bound={"safe": -5.0, "safe_exact": -6.0}.get(gate),
+        state_v_first=False, has_A_log=in_kernel, has_dt_bias=in_kernel)
+
+
+def log_decay(kind, B, T, HV, K, gen):
+    """Per-token log-decays [B, T, HV, K] (fp32) of a gate kind, as prep would produce them."""
+    x = torch.randn(B, T, HV, K, generator=gen)
+    if kind in ("safe", "raw_safe", "safe_exact"):
+        return -5.0 * torch.sigmoid(2.0 * x)  # the lower-bound gate, in [-5, 0]
+    if kind == "softplus":
+        exp_a = 1.0 + 15.0 * torch.rand(HV, 1, generator=gen)  # exp(A_log) ~ U(1, 16)
+        dt = torch.exp(math.log(1e-3) + (math.log(0.1) - math.log(1e-3)) * torch.rand(HV, K, generator=gen))
+        dt_bias = torch.log(torch.expm1(dt))
+        return (-exp_a * F.softplus(3.0 * x + dt_bias)).clamp(min=-40.0)
+    a = -2.0 * torch.rand(B, T, HV, K, generator=gen)  # raw: small decays with resets at the clamp value
+    return torch.where(torch.rand(B, T, HV, K, generator=gen) < 0.08, torch.full_like(a, -110.0), a)
+
+
+def make_case(B, T, seqlens, H, HV, K, dtype, kind, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = chunk_table_rows(B, T, seqlens)
+    table = chunk_table(B, T, seqlens, "cpu")
+    n = len(rows)
+    # q, k as views of one fused projection (token stride 2 H K + 7)
+    fused = torch.randn(B, T, 2 * H * K + 7, generator=gen).to(dtype)
+    q, k, _ = fused.split([H * K, H * K, 7], dim=-1)
+    q, k = q.view(B, T, H, K), k.view(B, T, H, K)
+    a = log_decay(kind, B, T, HV, K, gen)
+    beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen))
+    nan = float("nan")
+    gc = torch.full((n, HV, C, K), nan)
+    bt = torch.zeros(n, HV, C)
+    rq = torch.zeros(n, H, C)
+    rk = torch.zeros(n, H, C)
+    daqk = torch.full((n, HV, C, C), nan)
+    dakk = torch.full((n, HV, C, C), nan)
+    tril = torch.ones(C, C).tril().bool()
+    for i, (_, b, t0, L) in enumerate(rows):
+        gc[i, :, :L] = a[b, t0:t0 + L].cumsum(0).transpose(0, 1)
+        bt[i, :, :L] = beta[b, t0:t0 + L].transpose(0, 1)
+        rq[i, :, :L] = q[b, t0:t0 + L].float().pow(2).sum(-1).add(1e-6).rsqrt().transpose(0, 1)
+        rk[i, :, :L] = k[b, t0:t0 + L].float().pow(2).sum(-1).add(1e-6).rsqrt().transpose(0, 1)
+        lower = tril[:L, :L]
+        g = torch.randn(2, HV, L, L, generator=gen)
+        daqk[i, :, :L, :L] = torch.where(lower, g[0], nan)
+        dakk[i, :, :L, :L] = torch.where(lower.tril(-1), g[1], nan)
+    slots = [torch.randn(n, HV, C, K, generator=gen) for _ in range(3)] + [torch.randn(n, HV, C, generator=gen)]
+    return rows, table, q, k, gc, bt, rq, rk, daqk, dakk, slots
+
+
+def reference(rows, q, k, gc, bt, rq, rk, daqk, dakk, scale, H, HV):
+    """float64 autograd of Aqk and A = diag(β) Akk per chunk and value head: increments on the L real rows."""
+    out = []
+    for i, (_, b, t0, L) in enumerate(rows):
+        per_head = []
+        for hv in range(HV):
+            h = hv // (HV // H)
+            qh = (q[b, t0:t0 + L, h].double() * rq[i, h, :L, None].double()).requires_grad_()
+            kh = (k[b, t0:t0 + L, h].double() * rk[i, h, :L, None].double()).requires_grad_()
+            G = gc[i, hv, :L].double().requires_grad_()
+            bv = bt[i, hv, :L].double().requires_grad_()
+            d = G[:, None, :] - G[None, :, :]  # [L, L, K]
+            incl = torch.ones(L, L, dtype=torch.bool).tril()[:, :, None]
+            strict = torch.ones(L, L, dtype=torch.bool).tril(-1)[:, :, None]
+            e_incl = torch.exp(torch.where(incl, d, -math.inf))
+            e_strict = torch.exp(torch.where(strict, d, -math.inf))
+            aqk = scale * torch.einsum("ic,jc,ijc->ij", qh, kh, e_incl)
+            akk = torch.einsum("ic,jc,ijc->ij", kh, kh, e_strict)
+            dA = daqk[i, hv, :L, :L].double().nan_to_num(0.0).tril()
+            dK = dakk[i, hv, :L, :L].double().nan_to_num(0.0).tril(-1)
+            loss = (dA * aqk).sum() + (dK * (bv[:, None] * akk)).sum()
+            per_head.append(torch.autograd.grad(loss, (qh, kh, G, bv)))
+        out.append(per_head)
+    return out
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+CASES = [
+    # B, T, seqlens, H, HV, K, dtype, gate kind (G's kind and the path: 'safe' / 'raw_safe' take SAFE)
+    (2, 70, None, 2, 4, 24, torch.float32, "raw"),
+    (1, 139, [70, 0, 64, 5], 1, 4, 32, torch.bfloat16, "softplus"),
+    (1, 139, [70, 0, 64, 5], 2, 4, 24, torch.bfloat16, "safe"),
+    (2, 70, None, 1, 2, 32, torch.float32, "raw_safe"),
+    (1, 75, [5, 70], 1, 2, 100, torch.float32, "safe_exact"),
+]
+
+
+@pytest.mark.parametrize("B,T,seqlens,H,HV,K,dtype,kind", CASES)
+def test_grads_intra_matches_float64_autograd(B, T, seqlens, H, HV, K, dtype, kind):
+    rows, table, q, k, gc, bt, rq, rk, daqk, dakk, slots = make_case(B, T, seqlens, H, HV, K, dtype, kind, 7)
+    opts = make_opts(H, HV, K, kind)
+    assert opts.safe == (kind in ("safe", "raw_safe"))
+    before = [x.clone() for x in slots]
+    run_grads_intra(opts, table, q, k, gc, bt, rq, rk, daqk, dakk, *slots)
+    ref = reference(rows, q, k, gc, bt, rq, rk, daqk, dakk, opts.scale, H, HV)
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    names = ("dqh", "dkh", "dgs", "dbs")
+    for i, (_, _, _, L) in enumerate(rows):
+        for hv in range(HV):
+            for j, name in enumerate(names):
+                inc = slots[j][i, hv, :L] - before[j][i, hv, :L]
+                err = rel_err(inc, ref[i][hv][j])
+                assert err < tol, f"{name} chunk {i} head {hv}: relative error {err:.2e}"
+            # the pairwise terms of dG cancel over the chunk's rows (their sum over rows is exactly 0): to fp32
+            # rounding, bf16 operands included (plus the rounding of the '+=' onto the slot's values)
+            dg = slots[2][i, hv, :L].double() - before[2][i, hv, :L].double()
+            allowed = 1e-5 * dg.abs().sum(0) + 2.0 ** -23 * slots[2][i, hv, :L].double().abs().sum(0)
+            resid = (dg.sum(0).abs() / allowed).max().item()
+            assert resid < 1, f"dgs rows of chunk {i} head {hv} do not cancel: {resid:.2f} of the allowance"
+    for j, name in enumerate(names):  # padded rows are not written
+        for i, (_, _, _, L) in enumerate(rows):
+            assert torch.equal(slots[j][i, :, L:], before[j][i, :, L:]), f"{name}: padded rows of chunk {i} written"
+
+
+def test_grads_intra_rejects_bad_arguments():
+    rows, table, q, k, gc, bt, rq, rk, daqk, dakk, slots = make_case(1, 70, None, 1, 2, 24, torch.float32, "raw", 1)
+    opts = make_opts(1, 2, 24, "raw")
+    args = [table, q, k, gc, bt, rq, rk, daqk, dakk, *slots]
+    with pytest.raises(TypeError, match="opts"):
+        run_grads_intra(None, *args)
+    bad = list(args)
+    bad[10] = slots[1][:, :, :, :20]
+    with pytest.raises(ValueError, match="dkh"):
+        run_grads_intra(opts, *bad)
+    bad = list(args)
+    bad[7] = daqk.double()
+    with pytest.raises(ValueError, match="daqk"):
+        run_grads_intra(opts, *bad)
+    bad = list(args)
+    bad[1] = q.transpose(1, 2)
+    with pytest.raises(ValueError, match="q"):
+        run_grads_intra(opts, *bad)
+    bad = list(args)
+    bad[0] = table.long()
+    with pytest.raises(ValueError, match="table"):
+        run_grads_intra(opts, *bad)
+
+
+BUILD = """
+import os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kdakit.ops.kda.chunk.grads_intra as M
+from kdakit.ops.kda.backend import dot_precision
+from kdakit.ops.kda.chunk.tiles import CHUNK, SUB
+import torch
+
+fn = M.chunk_grads_intra_kernel
+for safe in (False, True):
+    for dtype in (torch.bfloat16, torch.float32):
+        const = dict(K=128, BK=M.GRADS_INTRA_BLOCK_K, C=CHUNK, SUBC=SUB, SAFE=safe, OP_BF16=dtype != torch.float32,
+                     EMULATE_BF16=False, DOT_PREC=dot_precision(dtype))
+        tok = "*bf16" if dtype == torch.bfloat16 else "*fp32"
+        sig = {}
+        for n in fn.arg_names:
+            if n in const:
+                sig[n] = "constexpr"
+            elif n in ("q", "k"):
+                sig[n] = tok
+            elif n == "table":
+                sig[n] = "*i32"
+            elif n in ("gc", "bt", "rq", "rk", "daqk", "dakk", "dqh", "dkh", "dgs", "dbs"):
+                sig[n] = "*fp32"
+            else:
+                sig[n] = "fp32" if n == "scale" else "i32"
+        # what the JIT specializes at real shapes: pointers and strides multiples of 16
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if sig[n] not in ("constexpr", "fp32")}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v for c, v in const.items()},
+                        attrs=attrs)
+        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=M.GRADS_INTRA_NUM_WARPS, num_stages=M.GRADS_INTRA_NUM_STAGES))
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.ptx")
+            with open(path, "w") as f:
+                f.write(kern.asm["ptx"])
+            rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                                 capture_output=True, text=True).stderr
+        print("REPORT", f"SAFE={safe} {dtype}", "|", rep.replace(chr(10), " "))
+"""
+
+
+def test_grads_intra_builds_for_sm90_without_spills():
+    from kdakit.ops.kda.chunk.grads_intra import GRADS_INTRA_NUM_WARPS
+
+    stdout = run_sm90_build(BUILD)
+    reports = dict(re.findall(r"^REPORT (.+?) \| (.*)$", stdout, flags=re.M))
+    assert len(reports) == 4, stdout
+    budget = 255 if GRADS_INTRA_NUM_WARPS <= 4 else 128
+    for name, rep in reports.items():
+        regs = re.search(r"Used (\d+) registers", rep)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
+        assert regs and spill, f"{name}: no ptxas report: {rep[-500:]}"
+        print(f"{name}: {regs.group(1)} registers, spill stores / loads {spill.group(1)} / {spill.group(2)} B")
+        assert spill.groups() == ("0", "0"), f"{name}: spills: {rep[-500:]}"
+        assert int(regs.group(1)) <= budget, f"{name}: {regs.group(1)} registers"
