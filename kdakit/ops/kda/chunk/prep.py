@@ -1,0 +1,326 @@
+"""The state-independent per-chunk stages of the 64-token chunk pipeline (docs/chunk_pipeline.md): ``prep``
+(the gate's chunk cumsum, activated beta, l2norm scales) and ``wu`` (W, U, qg, kd from Tinv).
+
+Per chunk row i = (n, b, t0, L) of the chunk table and value head hv (q/k head h = hv // (HV // H)), fp32 math:
+
+    a      = gate_from_preact(g + dt_bias)         log-decay, clamped >= -110, 0 on padded rows r >= L
+    G[r]   = sum_{s <= r} a[s]                      -> gc[i, hv]  fp32 [C, K] (padded rows hold G[L-1])
+    beta   = activation(raw beta)                   -> bt[i, hv]  fp32 [C]    (0 on padded rows)
+    rq, rk = 1 / sqrt(sum x^2 + 1e-6) (or 1)        -> rq[i, h], rk[i, h] fp32 [C] (0 on padded rows),
+                                                       by the programs of hv % (HV // H) == 0
+    W  = Tinv diag(beta) (k^ * exp(G))    U  = Tinv diag(beta) v         -> w, u   token dtype [C, K], [C, V]
+    qg = q^ * exp(G)                      kd = k^ * exp(g_C - G)         -> qg, kd token dtype [C, K]
+
+with q^ = rq q, k^ = rk k, g_C = G[C-1] and Tinv the ``tinv`` slot. Token tensors are read through their strides
+(q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]); slot tensors are contiguous and indexed
+by the program's table row. K, V <= 128; columns beyond K / V are masked. The W and U products take bf16
+operands for 16-bit inputs (fp16 too: exponent range) and fp32 ones (``dot_precision``) for fp32 inputs; under
+the interpreter, whose bf16 arithmetic and bf16 stores are wrong, the operands and the bf16 stores are rounded
+to bf16 in fp32 instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kdakit.ops.kda.backend import dot_precision, triton_interpreting
+from kdakit.ops.kda.chunk.tiles import CHUNK, MAX_HEAD_DIM, chunk_row, check_token_strides, token_base
+from kdakit.ops.kda.chunk_common import (
+    beta_activation,
+    block_size,
+    gate_from_preact,
+    l2norm_rstd,
+    load_row_scalars,
+    load_rows,
+    round_to_bf16,
+    store_rows,
+)
+from kdakit.ops.kda.options import KDAOptions
+
+# Launch configs. prep: [C, PREP_BLOCK_K] fp32 tiles (gate, cumsum); wu: one [C, C] x [C, WU_BLOCK] dot per
+# output block, Tinv held as a dot operand across the blocks.
+PREP_BLOCK_K = 32
+PREP_NUM_WARPS = 4
+WU_BLOCK = 32  # BK and BV of the wu kernel
+WU_NUM_WARPS = 4
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def dot_operand(x, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """A ``tl.dot`` operand from an fp32 tile: bf16 (OP_BF16; rounded to nearest in fp32 under the interpreter,
+    EMULATE_BF16) or the fp32 tile itself."""
+    if OP_BF16:
+        if EMULATE_BF16:
+            y = round_to_bf16(x)
+        else:
+            y = x.to(tl.bfloat16)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def as_stored(x, base, INTERPRETED: tl.constexpr):
+    """x rounded to nearest bf16 when ``base`` points to bf16 under the interpreter (whose bf16 store truncates),
+    so that the stored value is the GPU's; x itself otherwise."""
+    if INTERPRETED:
+        if base.dtype.element_ty == tl.bfloat16:
+            x = round_to_bf16(x)
+    return x
+
+
+@triton.jit
+def chunk_prep_kernel(
+    table, q, k, g, beta, A_log, dt_bias, gc, bt, rq, rk,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+    lower_bound, H,
+    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr,
+):
+    """One (table row i, value head hv): gc[i, hv], bt[i, hv] and, for the first value head of a group,
+    rq[i, h], rk[i, h]."""
+    i = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    _, b, t0, L = chunk_row(table, i)
+    r = tl.arange(0, C)
+    valid = r < L  # [C]
+    zero = L * 0  # the tiles' first row (a tensor: load_rows widens it)
+    slot = i * HV + hv
+
+    # ---- the gate: log-decay and its inclusive cumsum, BK key columns at a time (columns are independent)
+    if HAS_A_LOG:
+        expA = tl.exp(tl.load(A_log + hv).to(tl.float32))
+    else:
+        expA = 1.0
+    g_base = token_base(g, b, t0, hv, s_gb, s_gt, s_gh)
+    gc_base = gc + slot * (C * K)
+    for k0 in range(0, K, BK):
+        x = load_rows(g_base, zero, L, s_gt, k0, K, C, BK)  # [C, BK] pre-activation
+        if HAS_BIAS:
+            c = k0 + tl.arange(0, BK)
+            x += tl.load(dt_bias + hv * K + c, mask=c < K, other=0.0).to(tl.float32)[None, :]
+        a = gate_from_preact(x, zero, L, k0, K, expA, lower_bound, C, BK, GATE)  # [C, BK], 0 on padded rows
+        store_rows(gc_base, tl.cumsum(a, axis=0), zero, C, K, k0, K, C, BK)
+
+    # ---- beta
+    b_raw = load_row_scalars(token_base(beta, b, t0, hv, s_bb, s_bt, s_bh), zero, L, s_bt, C)  # [C]
+    tl.store(bt + slot * C + r, tl.where(valid, beta_activation(b_raw, BETA_SIGMOID, NEG_EIGVAL), 0.0))
+
+    # ---- l2norm scales of the q/k head, once per group of value heads
+    if hv % GROUP == 0:
+        h = hv // GROUP
+        qk_slot = (i * H + h) * C
+        if USE_L2NORM:
+            q_base = token_base(q, b, t0, h, s_qb, s_qt, s_qh)
+            k_base = token_base(k, b, t0, h, s_kb, s_kt, s_kh)
+            sq = tl.zeros([C], dtype=tl.float32)
+            sk = tl.zeros([C], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                xq = load_rows(q_base, zero, L, s_qt, k0, K, C, BK)  # [C, BK]
+                sq += tl.sum(xq * xq, axis=1)
+                xk = load_rows(k_base, zero, L, s_kt, k0, K, C, BK)
+                sk += tl.sum(xk * xk, axis=1)
+            sq = l2norm_rstd(sq)
+            sk = l2norm_rstd(sk)
+        else:
+            sq = tl.full([C], 1.0, dtype=tl.float32)
+            sk = sq
+        tl.store(rq + qk_slot + r, tl.where(valid, sq, 0.0))
+        tl.store(rk + qk_slot + r, tl.where(valid, sk, 0.0))
+
+
+@triton.jit
+def chunk_wu_kernel(
+    table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+    H,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GROUP: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One (table row i, value head hv): W, U, qg, kd into their slots, one Tinv dot per output block."""
+    i = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    h = hv // GROUP
+    _, b, t0, L = chunk_row(table, i)
+    r = tl.arange(0, C)
+    zero = L * 0
+    slot = i * HV + hv
+    qk_slot = (i * H + h) * C
+    beta = tl.load(bt + slot * C + r)  # [C]
+    scale_q = tl.load(rq + qk_slot + r)  # [C]
+    scale_k = tl.load(rk + qk_slot + r)
+    Ti = dot_operand(tl.load(tinv + slot * (C * C) + r[:, None] * C + r[None, :]).to(tl.float32),
+                     OP_BF16, EMULATE_BF16)  # [C, C]
+
+    q_base = token_base(q, b, t0, h, s_qb, s_qt, s_qh)
+    k_base = token_base(k, b, t0, h, s_kb, s_kt, s_kh)
+    gc_base = gc + slot * (C * K)
+    for k0 in range(0, K, BK):
+        c = k0 + tl.arange(0, BK)
+        G = load_rows(gc_base, zero, C, K, k0, K, C, BK)  # [C, BK]
+        gC = tl.load(gc_base + (C - 1) * K + c, mask=c < K, other=0.0)  # [BK]
+        eG = tl.exp(G)
+        kh = load_rows(k_base, zero, L, s_kt, k0, K, C, BK) * scale_k[:, None]  # [C, BK] k^, 0 on padded rows
+        X = dot_operand(kh * eG * beta[:, None], OP_BF16, EMULATE_BF16)
+        Wb = tl.dot(Ti, X, input_precision=DOT_PREC)  # [C, BK]
+        store_rows(w + slot * (C * K), as_stored(Wb, w, INTERPRETED), zero, C, K, k0, K, C, BK)
+        kdb = kh * tl.exp(gC[None, :] - G)  # [C, BK]
+        store_rows(kd + slot * (C * K), as_stored(kdb, kd, INTERPRETED), zero, C, K, k0, K, C, BK)
+        qh = load_rows(q_base, zero, L, s_qt, k0, K, C, BK) * scale_q[:, None]  # [C, BK] q^
+        store_rows(qg + slot * (C * K), as_stored(qh * eG, qg, INTERPRETED), zero, C, K, k0, K, C, BK)
+
+    v_base = token_base(v, b, t0, hv, s_vb, s_vt, s_vh)
+    for v0 in range(0, V, BV):
+        Y = dot_operand(load_rows(v_base, zero, L, s_vt, v0, V, C, BV) * beta[:, None], OP_BF16, EMULATE_BF16)
+        Ub = tl.dot(Ti, Y, input_precision=DOT_PREC)  # [C, BV]
+        store_rows(u + slot * (C * V), as_stored(Ub, u, INTERPRETED), zero, C, V, v0, V, C, BV)
+
+
+# ---------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------
+
+
+def check_table(table) -> int:
+    """The chunk table (contiguous int32 ``[n, 4]``); returns n."""
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"table must be a torch.Tensor, got {type(table).__name__}")
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] != 4 or not table.is_contiguous():
+        raise ValueError(f"table must be a contiguous int32 [n, 4] tensor, got {table.dtype} {tuple(table.shape)}")
+    return table.shape[0]
+
+
+def token_dims(name: str, x, ndim: int, unit_last: bool = True) -> tuple:
+    """A token tensor's shape after checking that it is an ``ndim``-D tensor in a dtype the kernels take, with a
+    unit last stride (``unit_last``; beta's rows are read through all three strides)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+    if unit_last:
+        check_token_strides(name, x)
+    return tuple(x.shape)
+
+
+def check_token(name: str, x, shape: tuple) -> None:
+    """A token tensor of the given shape (token_dims' checks; a 3-D one, beta, may have any strides)."""
+    if token_dims(name, x, len(shape), unit_last=len(shape) == 4) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def check_slot(name: str, x, shape: tuple, dtype) -> None:
+    """A slot tensor: contiguous, of the given shape and dtype."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape) or not x.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous tensor of shape {tuple(shape)}, got {tuple(x.shape)} "
+                         f"with strides {tuple(x.stride())}")
+
+
+def gate_params(opts: KDAOptions, A_log, dt_bias, HV: int, K: int):
+    """The flat gate parameters the options use (contiguous ``[HV]`` / ``[HV * K]``), None for the unused ones."""
+    out = []
+    for name, x, used, numel in (("A_log", A_log, opts.has_A_log, HV), ("dt_bias", dt_bias, opts.has_dt_bias, HV * K)):
+        if not used:
+            out.append(None)
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (the options use it), got {type(x).__name__}")
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+        if tuple(x.shape) != (numel,) or not x.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [{numel}] view (opts.kernel_gate_params), got "
+                             f"{tuple(x.shape)}")
+        out.append(x)
+    return tuple(out)
+
+
+def head_group(H: int, HV: int, K: int, V: int) -> int:
+    """HV // H after checking the head counts and head sizes."""
+    if H <= 0 or HV <= 0 or HV % H:
+        raise ValueError(f"HV must be a positive multiple of H, got H={H}, HV={HV}")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"K and V must be <= {MAX_HEAD_DIM}, got K={K}, V={V}")
+    return HV // H
+
+
+def token_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, token, head) element strides of a token tensor."""
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def run_prep(opts: KDAOptions, table, q, k, g, beta, A_log, dt_bias, gc, bt, rq, rk) -> None:
+    """gc, bt, rq, rk of the table's chunks (A_log / dt_bias: ``opts.kernel_gate_params`` views or None)."""
+    if not isinstance(opts, KDAOptions):
+        raise TypeError(f"opts must be a KDAOptions, got {type(opts).__name__}")
+    n = check_table(table)
+    B, T, H, K = token_dims("q", q, 4)
+    HV = token_dims("g", g, 4)[2]
+    group = head_group(H, HV, K, 0)
+    check_token("k", k, (B, T, H, K))
+    check_token("g", g, (B, T, HV, K))
+    check_token("beta", beta, (B, T, HV))
+    A_log, dt_bias = gate_params(opts, A_log, dt_bias, HV, K)
+    f32 = torch.float32
+    check_slot("gc", gc, (n, HV, CHUNK, K), f32)
+    check_slot("bt", bt, (n, HV, CHUNK), f32)
+    check_slot("rq", rq, (n, H, CHUNK), f32)
+    check_slot("rk", rk, (n, H, CHUNK), f32)
+    if n == 0:
+        return
+    chunk_prep_kernel[(n, HV)](
+        table, q, k, g, beta, A_log, dt_bias, gc, bt, rq, rk,
+        *token_strides(q), *token_strides(k), *token_strides(g), *token_strides(beta),
+        opts.kernel_lower_bound, H,
+        HV=HV, K=K, C=CHUNK, BK=min(PREP_BLOCK_K, block_size(K)), GROUP=group,
+        GATE=opts.gate, HAS_A_LOG=opts.has_A_log, HAS_BIAS=opts.has_dt_bias,
+        USE_L2NORM=opts.use_qk_l2norm_in_kernel, BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
+        NEG_EIGVAL=opts.neg_eigval, num_warps=PREP_NUM_WARPS, num_stages=1,
+    )
+
+
+def run_wu(opts: KDAOptions, table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd) -> None:
+    """W, U, qg, kd of the table's chunks from the prep slots and Tinv."""
+    if not isinstance(opts, KDAOptions):
+        raise TypeError(f"opts must be a KDAOptions, got {type(opts).__name__}")
+    n = check_table(table)
+    B, T, H, K = token_dims("q", q, 4)
+    HV, V = token_dims("v", v, 4)[2:]
+    group = head_group(H, HV, K, V)
+    check_token("k", k, (B, T, H, K))
+    check_token("v", v, (B, T, HV, V))
+    f32, dt = torch.float32, q.dtype
+    check_slot("gc", gc, (n, HV, CHUNK, K), f32)
+    check_slot("bt", bt, (n, HV, CHUNK), f32)
+    check_slot("rq", rq, (n, H, CHUNK), f32)
+    check_slot("rk", rk, (n, H, CHUNK), f32)
+    check_slot("tinv", tinv, (n, HV, CHUNK, CHUNK), dt)
+    check_slot("w", w, (n, HV, CHUNK, K), dt)
+    check_slot("u", u, (n, HV, CHUNK, V), dt)
+    check_slot("qg", qg, (n, HV, CHUNK, K), dt)
+    check_slot("kd", kd, (n, HV, CHUNK, K), dt)
+    if n == 0:
+        return
+    op_bf16 = dt != torch.float32
+    chunk_wu_kernel[(n, HV)](
+        table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd,
+        *token_strides(q), *token_strides(k), *token_strides(v),
+        H,
+        HV=HV, K=K, V=V, C=CHUNK, BK=min(WU_BLOCK, block_size(K)), BV=min(WU_BLOCK, block_size(V)), GROUP=group,
+        OP_BF16=op_bf16, EMULATE_BF16=op_bf16 and triton_interpreting(),
+        INTERPRETED=triton_interpreting(), DOT_PREC=dot_precision(dt),
+        num_warps=WU_NUM_WARPS, num_stages=1,
+    )
