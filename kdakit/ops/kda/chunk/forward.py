@@ -54,7 +54,7 @@ def state_carry(initial_state, N: int, HV: int, K: int, V: int, v_first: bool, d
     if initial_state is None:
         return torch.zeros(N, HV, K, V, dtype=torch.float32, device=device)
     h0 = initial_state.transpose(-1, -2) if v_first else initial_state
-    return h0.to(torch.float32).clone()
+    return h0.to(torch.float32).contiguous().clone()
 
 
 def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_bias, initial_state):

@@ -1,0 +1,112 @@
+"""Launch-config sweep of the 64-token pipeline's kernels on the GPU: for each variant (one kernel's named
+constants changed from the shipped values), the per-kernel CUDA time of one forward+backward (torch.profiler,
+mean of 3 steps) at one shape and gate. A dev tool: the chosen values go back into the kernel files.
+
+Usage: python benchmarks/dev_tune64.py --out DIR [--shape 1x8192:96] [--gate softplus] [--only walk_fwd,diag]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.dev_chunk64 import kdakit64, make_inputs, step  # noqa: E402
+
+# kernel name in the profile -> (module, list of overrides); the first entry of each list is the shipped config
+VARIANTS = {
+    "chunk_walk_fwd_kernel": ("walk", [
+        {}, {"WALK_FWD_BLOCK_V": 64}, {"WALK_FWD_BLOCK_V": 64, "WALK_FWD_STAGES": 1},
+        {"WALK_FWD_BLOCK_V": 16}, {"WALK_FWD_STAGES": 1}, {"WALK_FWD_WARPS": 8, "WALK_FWD_BLOCK_V": 64},
+        {"WALK_FWD_WARPS": 2, "WALK_FWD_BLOCK_V": 16}]),
+    "chunk_intra_diag_kernel": ("intra", [
+        {}, {"DIAG_BLOCK_H": 1, "DIAG_NUM_WARPS": 1}, {"DIAG_BLOCK_H": 2, "DIAG_NUM_WARPS": 1},
+        {"DIAG_BLOCK_H": 8, "DIAG_NUM_WARPS": 4}, {"DIAG_BLOCK_H": 4, "DIAG_NUM_WARPS": 4},
+        {"DIAG_BLOCK_H": 8, "DIAG_NUM_WARPS": 2}]),
+    "chunk_intra_solve_kernel": ("intra", [
+        {}, {"SOLVE_NUM_WARPS": 2}, {"SOLVE_NUM_WARPS": 8}, {"SOLVE_BLOCK_K": 64}, {"SOLVE_BLOCK_K": 16}]),
+    "chunk_wu_kernel": ("prep", [{}, {"WU_BLOCK": 64}, {"WU_NUM_WARPS": 8, "WU_BLOCK": 64}, {"WU_NUM_WARPS": 2}]),
+    "chunk_walk_bwd_kernel": ("walk", [
+        {}, {"WALK_BWD_BLOCK_V": 64}, {"WALK_BWD_STAGES": 2}, {"WALK_BWD_BLOCK_V": 16, "WALK_BWD_STAGES": 2},
+        {"WALK_BWD_WARPS": 8, "WALK_BWD_BLOCK_V": 64}]),
+    "chunk_dav_kernel": ("walk", [{}, {"DAV_BLOCK_V": 32}, {"DAV_WARPS": 8}]),
+    "chunk_grads_wy_kernel": ("grads", [
+        {}, {"GRADS_WY_NUM_WARPS": 8, "GRADS_WY_BLOCKS": {"bf16": (32, 64), "fp32": (32, 32)}},
+        {"GRADS_WY_NUM_WARPS": 8, "GRADS_WY_BLOCKS": {"bf16": (64, 64), "fp32": (32, 32)}},
+        {"GRADS_WY_NUM_STAGES": 2}]),
+    "chunk_grads_wy_dv_kernel": ("grads", [
+        {}, {"GRADS_WY_DV_BLOCKS": {"bf16": (32, 64), "fp32": (64, 32)}},
+        {"GRADS_WY_DV_BLOCKS": {"bf16": (64, 32), "fp32": (64, 32)}}]),
+    "chunk_grads_intra_kernel": ("grads_intra", [
+        {}, {"GRADS_INTRA_NUM_WARPS": 2}, {"GRADS_INTRA_BLOCK_K": 64}, {"GRADS_INTRA_NUM_WARPS": 8},
+        {"GRADS_INTRA_NUM_STAGES": 2}]),
+    "chunk_finish_kernel": ("finish", [{}, {"FINISH_NUM_WARPS": 8}, {"FINISH_BLOCK_K": 64}, {"FINISH_NUM_WARPS": 2}]),
+}
+
+
+def kernel_times(call, x) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    step(call, x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(3):
+            step(call, x)
+        torch.cuda.synchronize()
+    out = {}
+    for e in p.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        out[e.key] = out.get(e.key, 0.0) + t / 1000 / 3
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="1x8192:96")
+    ap.add_argument("--gate", default="softplus")
+    ap.add_argument("--only", default=None)
+    args = ap.parse_args(argv)
+    mbs_seq, heads = args.shape.split(":")
+    mbs, seq = (int(s) for s in mbs_seq.split("x"))
+    x = make_inputs(mbs, seq, int(heads), int(heads), 128, args.gate, 0)
+    call = kdakit64(None)
+    results = {"shape": args.shape, "gate": args.gate, "kernels": {}}
+    order = ["chunk_walk_fwd_kernel", "chunk_intra_solve_kernel", "chunk_grads_intra_kernel", "chunk_grads_wy_kernel",
+             "chunk_intra_diag_kernel", "chunk_wu_kernel", "chunk_walk_bwd_kernel", "chunk_dav_kernel",
+             "chunk_grads_wy_dv_kernel", "chunk_finish_kernel"]
+    names = args.only.split(",") if args.only else order
+    for kernel in names:
+        mod_name, variants = VARIANTS[kernel]
+        mod = importlib.import_module(f"kdakit.ops.kda.chunk.{mod_name}")
+        rows = []
+        for over in variants:
+            saved = {k: getattr(mod, k) for k in over}
+            for k, v in over.items():
+                setattr(mod, k, v)
+            try:
+                ms = kernel_times(call, x).get(kernel)
+                rows.append({"override": {k: str(v) for k, v in over.items()}, "ms": ms})
+            except Exception as e:  # noqa: BLE001 - a variant that fails is a result too
+                rows.append({"override": {k: str(v) for k, v in over.items()}, "error": f"{type(e).__name__}: {e}"[:300]})
+                print(kernel, over, "ERROR", rows[-1]["error"], flush=True)
+                if "illegal memory access" in rows[-1]["error"]:
+                    break  # the context is gone
+            finally:
+                for k, v in saved.items():
+                    setattr(mod, k, v)
+            print(kernel, json.dumps(rows[-1]), flush=True)
+        results["kernels"][kernel] = rows
+        with open(os.path.join(args.out, f"dev_tune64_{args.gate}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
