@@ -22,32 +22,23 @@ from benchmarks.dev_chunk64 import kdakit64, make_inputs, step  # noqa: E402
 
 # kernel name in the profile -> (module, list of overrides); the first entry of each list is the shipped config
 VARIANTS = {
-    "chunk_walk_fwd_kernel": ("walk", [
-        {}, {"WALK_FWD_BLOCK_V": 64}, {"WALK_FWD_BLOCK_V": 64, "WALK_FWD_STAGES": 1},
-        {"WALK_FWD_BLOCK_V": 16}, {"WALK_FWD_STAGES": 1}, {"WALK_FWD_WARPS": 8, "WALK_FWD_BLOCK_V": 64},
-        {"WALK_FWD_WARPS": 2, "WALK_FWD_BLOCK_V": 16}]),
-    "chunk_intra_diag_kernel": ("intra", [
-        {}, {"DIAG_BLOCK_H": 1, "DIAG_NUM_WARPS": 1}, {"DIAG_BLOCK_H": 2, "DIAG_NUM_WARPS": 1},
-        {"DIAG_BLOCK_H": 8, "DIAG_NUM_WARPS": 4}, {"DIAG_BLOCK_H": 4, "DIAG_NUM_WARPS": 4},
-        {"DIAG_BLOCK_H": 8, "DIAG_NUM_WARPS": 2}]),
-    "chunk_intra_solve_kernel": ("intra", [
-        {}, {"SOLVE_NUM_WARPS": 2}, {"SOLVE_NUM_WARPS": 8}, {"SOLVE_BLOCK_K": 64}, {"SOLVE_BLOCK_K": 16}]),
-    "chunk_wu_kernel": ("prep", [{}, {"WU_BLOCK": 64}, {"WU_NUM_WARPS": 8, "WU_BLOCK": 64}, {"WU_NUM_WARPS": 2}]),
-    "chunk_walk_bwd_kernel": ("walk", [
-        {}, {"WALK_BWD_BLOCK_V": 64}, {"WALK_BWD_STAGES": 2}, {"WALK_BWD_BLOCK_V": 16, "WALK_BWD_STAGES": 2},
-        {"WALK_BWD_WARPS": 8, "WALK_BWD_BLOCK_V": 64}]),
-    "chunk_dav_kernel": ("walk", [{}, {"DAV_BLOCK_V": 32}, {"DAV_WARPS": 8}]),
+    "chunk_walk_fwd_kernel": ("walk", [{}, {"WALK_FWD_WARPS": 8}, {"WALK_FWD_BLOCK_V": 128, "WALK_FWD_WARPS": 8}]),
+    "chunk_intra_diag_kernel": ("intra", [{}, {"DIAG_BLOCK_H": 16, "DIAG_NUM_WARPS": 4},
+                                          {"DIAG_BLOCK_H": 8, "DIAG_NUM_WARPS": 1}]),
+    "chunk_intra_solve_kernel": ("intra", [{}, {"SOLVE_NUM_WARPS": 1}, {"SOLVE_BLOCK_K": 64},
+                                           {"SOLVE_BLOCK_K": 64, "SOLVE_NUM_WARPS": 1}]),
+    "chunk_wu_kernel": ("prep", [{}, {"WU_NUM_WARPS": 4}]),
+    "chunk_walk_bwd_kernel": ("walk", [{}, {"WALK_BWD_WARPS": 2}, {"WALK_BWD_BLOCK_V": 16}]),
     "chunk_grads_wy_kernel": ("grads", [
         {}, {"GRADS_WY_NUM_WARPS": 8, "GRADS_WY_BLOCKS": {"bf16": (32, 64), "fp32": (32, 32)}},
-        {"GRADS_WY_NUM_WARPS": 8, "GRADS_WY_BLOCKS": {"bf16": (64, 64), "fp32": (32, 32)}},
-        {"GRADS_WY_NUM_STAGES": 2}]),
-    "chunk_grads_wy_dv_kernel": ("grads", [
-        {}, {"GRADS_WY_DV_BLOCKS": {"bf16": (32, 64), "fp32": (64, 32)}},
-        {"GRADS_WY_DV_BLOCKS": {"bf16": (64, 32), "fp32": (64, 32)}}]),
+        {"GRADS_WY_NUM_STAGES": 3}, {"GRADS_WY_BLOCKS": {"bf16": (64, 64), "fp32": (32, 32)}, "GRADS_WY_NUM_WARPS": 8}]),
+    "chunk_grads_wy_dv_kernel": ("grads", [{}, {"GRADS_WY_DV_BLOCKS": {"bf16": (64, 128), "fp32": (64, 32)}},
+                                           {"GRADS_WY_DV_BLOCKS": {"bf16": (128, 64), "fp32": (64, 32)}}]),
     "chunk_grads_intra_kernel": ("grads_intra", [
-        {}, {"GRADS_INTRA_NUM_WARPS": 2}, {"GRADS_INTRA_BLOCK_K": 64}, {"GRADS_INTRA_NUM_WARPS": 8},
-        {"GRADS_INTRA_NUM_STAGES": 2}]),
-    "chunk_finish_kernel": ("finish", [{}, {"FINISH_NUM_WARPS": 8}, {"FINISH_BLOCK_K": 64}, {"FINISH_NUM_WARPS": 2}]),
+        {}, {"GRADS_INTRA_BLOCK_K": 64}, {"GRADS_INTRA_NUM_WARPS": 1}, {"GRADS_INTRA_BLOCK_K": 64, "GRADS_INTRA_NUM_WARPS": 4},
+        {"GRADS_INTRA_BLOCK_K": 128, "GRADS_INTRA_NUM_WARPS": 4}]),
+    "chunk_finish_kernel": ("finish", [{}, {"FINISH_NUM_WARPS": 8}, {"FINISH_NUM_WARPS": 2}]),
+    "chunk_dav_kernel": ("walk", [{}, {"DAV_BLOCK_V": 128}]),
 }
 
 
@@ -66,6 +57,16 @@ def kernel_times(call, x) -> dict:
     return out
 
 
+def compiled(fn) -> list:
+    """(registers, spills, warps) of the kernel's compiled variants on the device (Triton's JIT cache)."""
+    out = []
+    for cache in getattr(fn, "device_caches", {}).values():
+        for kern in cache[0].values():
+            out.append([getattr(kern, "n_regs", None), getattr(kern, "n_spills", None),
+                        getattr(getattr(kern, "metadata", None), "num_warps", None)])
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -78,9 +79,9 @@ def main(argv=None) -> int:
     x = make_inputs(mbs, seq, int(heads), int(heads), 128, args.gate, 0)
     call = kdakit64(None)
     results = {"shape": args.shape, "gate": args.gate, "kernels": {}}
-    order = ["chunk_walk_fwd_kernel", "chunk_intra_solve_kernel", "chunk_grads_intra_kernel", "chunk_grads_wy_kernel",
-             "chunk_intra_diag_kernel", "chunk_wu_kernel", "chunk_walk_bwd_kernel", "chunk_dav_kernel",
-             "chunk_grads_wy_dv_kernel", "chunk_finish_kernel"]
+    order = ["chunk_grads_intra_kernel", "chunk_intra_solve_kernel", "chunk_grads_wy_kernel", "chunk_walk_fwd_kernel",
+             "chunk_intra_diag_kernel", "chunk_wu_kernel", "chunk_walk_bwd_kernel", "chunk_finish_kernel",
+             "chunk_dav_kernel", "chunk_grads_wy_dv_kernel"]
     names = args.only.split(",") if args.only else order
     for kernel in names:
         mod_name, variants = VARIANTS[kernel]
@@ -92,7 +93,8 @@ def main(argv=None) -> int:
                 setattr(mod, k, v)
             try:
                 ms = kernel_times(call, x).get(kernel)
-                rows.append({"override": {k: str(v) for k, v in over.items()}, "ms": ms})
+                rows.append({"override": {k: str(v) for k, v in over.items()}, "ms": ms,
+                             "compiled": compiled(getattr(mod, kernel))})
             except Exception as e:  # noqa: BLE001 - a variant that fails is a result too
                 rows.append({"override": {k: str(v) for k, v in over.items()}, "error": f"{type(e).__name__}: {e}"[:300]})
                 print(kernel, over, "ERROR", rows[-1]["error"], flush=True)

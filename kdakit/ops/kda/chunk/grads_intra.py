@@ -64,7 +64,7 @@ from kdakit.ops.kda.options import KDAOptions
 # sm_90a at K = 128: 220-248 registers, no spills, for the four variants (SAFE x bf16 / fp32 operands); at 1 or
 # 2 warps the same [16, 32] tiles spill (the dots' operand layouts and the per-token vectors dominate, not the
 # tiles), and BK = 64 at 4 warps spills with fp32 operands.
-GRADS_INTRA_NUM_WARPS = 4
+GRADS_INTRA_NUM_WARPS = 2
 GRADS_INTRA_NUM_STAGES = 1
 GRADS_INTRA_BLOCK_K = 32  # K-loop step: the [16, BK] accumulators dq, dkr, dkt, dg live with the sub-chunk's G
 

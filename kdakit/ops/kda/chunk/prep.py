@@ -43,8 +43,8 @@ from kdakit.ops.kda.options import KDAOptions
 # output block, Tinv held as a dot operand across the blocks.
 PREP_BLOCK_K = 32
 PREP_NUM_WARPS = 4
-WU_BLOCK = 32  # BK and BV of the wu kernel
-WU_NUM_WARPS = 4
+WU_BLOCK = 64  # BK and BV of the wu kernel
+WU_NUM_WARPS = 8
 
 
 # ---------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from kdakit.ops.kda.options import KDAOptions
 # two stages would need about twice the shared memory of two programs per SM, so it runs one.
 WALK_FWD_WARPS = 4
 WALK_FWD_STAGES = 2
-WALK_FWD_BLOCK_V = 32
+WALK_FWD_BLOCK_V = 64
 WALK_BWD_WARPS = 4
 WALK_BWD_STAGES = 1
 WALK_BWD_BLOCK_V = 32
