@@ -75,7 +75,7 @@ def make_inputs(mbs: int, seq: int, H: int, HV: int, D: int, gate: str, seed: in
     return x
 
 
-def kdakit64(window):
+def kdakit64(window, keep=False):
     def call(x):
         flags = gate_flags(x["gate"])
         opts = kda_options(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True,
@@ -83,7 +83,8 @@ def kdakit64(window):
                            cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=x["cu_seqlens_cpu"], **flags)
         A_log, dt_bias = opts.kernel_gate_params(x["A_log"], x["dt_bias"])
         return chunk64_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=A_log, dt_bias=dt_bias,
-                           initial_state=None, cu_seqlens=x["cu_seqlens"], opts=opts, window_tokens=window)
+                           initial_state=None, cu_seqlens=x["cu_seqlens"], opts=opts, window_tokens=window,
+                           keep_intermediates=keep)
     return call
 
 
@@ -218,7 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", default="1x8192:96")
     ap.add_argument("--gates", default="safe,softplus,raw")
-    ap.add_argument("--windows", default="none")
+    ap.add_argument("--windows", default="none", help="comma-separated: none | N (recomputing, windows of N tokens) | "
+                    "fastN / fastnone (the forward keeps its intermediates)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-default", action="store_true")
     ap.add_argument("--skip-accuracy", action="store_true")
@@ -231,8 +233,10 @@ def main(argv=None) -> int:
     mbs, seq = (int(s) for s in mbs_seq.split("x"))
     H = int(heads)
     calls = {}
-    for w in args.windows.split(","):
-        calls[f"kdakit64_w{w}"] = kdakit64(None if w == "none" else int(w))
+    for w in args.windows.split(","):  # "fast2048": keep the forward's intermediates, backward windows of 2048
+        keep = w.startswith("fast")
+        size = w[4:] if keep else w
+        calls[f"kdakit64_{'fast' if keep else 'w'}{size}"] = kdakit64(None if size in ("none", "") else int(size), keep)
     if not args.no_default:
         from kdakit import chunk_kda
         calls["kdakit_default"] = library(chunk_kda)

@@ -22,11 +22,12 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 class Chunk64Function(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, plan: ChunkPlan, opts: KDAOptions):
-        o, final, checkpoints = chunk_fwd(q, k, v, g, beta, opts=opts, plan=plan, A_log=A_log, dt_bias=dt_bias,
-                                          initial_state=initial_state)
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, plan: ChunkPlan, opts: KDAOptions,
+                keep: bool):
+        o, final, checkpoints, kept = chunk_fwd(q, k, v, g, beta, opts=opts, plan=plan, A_log=A_log,
+                                                dt_bias=dt_bias, initial_state=initial_state, keep=keep)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, checkpoints)
-        ctx.plan, ctx.opts = plan, opts
+        ctx.plan, ctx.opts, ctx.kept = plan, opts, kept
         return o, final
 
     @staticmethod
@@ -37,17 +38,19 @@ class Chunk64Function(torch.autograd.Function):
             do = do.contiguous()
         dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = chunk_bwd(
             q, k, v, g, beta, do, dht, opts=ctx.opts, plan=ctx.plan, checkpoints=checkpoints, A_log=A_log,
-            dt_bias=dt_bias, initial_state=initial_state)
+            dt_bias=dt_bias, initial_state=initial_state, kept=ctx.kept)
+        ctx.kept = None
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None
+        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None
 
 
 def chunk64_kda(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions,
-                window_tokens: int | None = None):
+                window_tokens: int | None = None, keep_intermediates: bool = False):
     """Validated inputs (see ``kdakit.chunk_kda``; gate parameters as ``opts.kernel_gate_params`` gives them)
     -> ``(o, final_state or None)`` on the 64-token pipeline. ``window_tokens``: the plan's window (None: one
-    window over the whole call)."""
+    window over the whole call). ``keep_intermediates``: the forward keeps its per-chunk intermediates for the
+    backward (whole-call scratch, no recomputation; the fast workspace)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.dtype not in TRITON_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16 or float32 for the Triton kernels, got {t.dtype}")
@@ -59,5 +62,9 @@ def chunk64_kda(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, 
     if cu_seqlens is not None:
         seqlens = list(opts.shape.seqlens) if opts.shape.seqlens is not None else sequence_lengths(1, 0, cu_seqlens)
     plan = make_chunk_plan(q.shape[0], q.shape[1], seqlens, q.device, window_tokens)
-    o, final = Chunk64Function.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, plan, opts)
+    # without a backward to come (inference, torch.no_grad, no input needing a gradient) nothing is kept
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias, initial_state))
+    o, final = Chunk64Function.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, plan, opts,
+                                     bool(keep_intermediates) and needs_grad)
     return o, (final if opts.output_final_state else None)

@@ -37,15 +37,16 @@ def backward_slots(n: int, HV: int, K: int, V: int, dtype: torch.dtype, device) 
 
 
 def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, checkpoints, A_log, dt_bias,
-              initial_state):
+              initial_state, kept: dict | None = None):
     """-> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0): input dtypes; dA_log / ddt_bias fp32 (None without the
-    in-kernel gate's parameters); dh0 fp32 in the call's layout (None without an initial state)."""
+    in-kernel gate's parameters); dh0 fp32 in the call's layout (None without an initial state). ``kept``: the
+    forward's whole-call slots (``chunk_fwd(keep=True)``), read instead of recomputing each window's."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
-    s = forward_slots(plan.max_slots, H, HV, K, V, q.dtype, dev)
+    s = forward_slots(plan.max_slots, H, HV, K, V, q.dtype, dev) if kept is None else None
     b = backward_slots(plan.max_slots, HV, K, V, q.dtype, dev)
     gate_params = opts.use_gate_in_kernel
     dA_log = torch.zeros(HV, dtype=torch.float32, device=dev) if A_log is not None else None
@@ -59,10 +60,13 @@ def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, c
         if r1 == r0:
             continue
         rows, n = plan.table[r0:r1], r1 - r0
-        x = window_intermediates(opts, rows, s, q, k, v, g, beta, A_log, dt_bias)
-        carry.copy_(checkpoints[w])
-        run_walk_fwd(opts, rows, plan.seq_rows[w], x["w"], x["u"], x["qg"], x["kd"], x["aqk"], x["gc"], carry,
-                     x["h"], None)
+        if kept is not None:
+            x = {name: t[r0:r1] for name, t in kept.items()}
+        else:
+            x = window_intermediates(opts, rows, s, q, k, v, g, beta, A_log, dt_bias)
+            carry.copy_(checkpoints[w])
+            run_walk_fwd(opts, rows, plan.seq_rows[w], x["w"], x["u"], x["qg"], x["kd"], x["aqk"], x["gc"], carry,
+                         x["h"], None)
         y = {name: t[:n] for name, t in b.items()}
         run_dav(opts, rows, do, x["u"], x["aqk"], y["daqk"], y["dvs"])
         run_walk_bwd(opts, rows, plan.seq_rows[w], x["w"], x["qg"], x["kd"], x["gc"], do, dcarry, y["dh"], y["dvs"])

@@ -45,8 +45,8 @@ from kdakit.ops.kda.chunk.tiles import CHUNK, MAX_HEAD_DIM, SUB, chunk_row, chec
 from kdakit.ops.kda.chunk_common import block_size, load_row_scalars, round_to_bf16, round_to_bf16_if
 
 # launch configs
-DIAG_BLOCK_H = 8  # value heads per token-parallel program ([BH, BK] tiles)
-DIAG_NUM_WARPS = 2
+DIAG_BLOCK_H = 16  # value heads per token-parallel program ([BH, BK] tiles)
+DIAG_NUM_WARPS = 4
 SOLVE_BLOCK_K = 32  # key channels per step of the off-diagonal dots, 16-bit inputs (bf16 operands)
 SOLVE_BLOCK_K_FP32 = 16  # fp32 inputs (3xTF32 operands: 32 takes 238 sm_90a registers, 16 takes 180)
 SOLVE_NUM_WARPS = 2

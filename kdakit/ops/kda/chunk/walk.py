@@ -58,7 +58,7 @@ WALK_BWD_STAGES = 1
 WALK_BWD_BLOCK_V = 32
 DAV_WARPS = 4
 DAV_STAGES = 1
-DAV_BLOCK_V = 64
+DAV_BLOCK_V = 128
 
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

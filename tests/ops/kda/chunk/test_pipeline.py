@@ -65,7 +65,7 @@ def _run(fn, x, flags, v_first, do, dht):
     return o.detach(), ht.detach() if ht is not None else None, {n: t.grad for n, t in leaves.items()}
 
 
-def _ours(x, window):
+def _ours(x, window, keep=False):
     def fn(leaves, flags, v_first):
         q, k, v, g, beta = (leaves[n] for n in ("q", "k", "v", "g", "beta"))
         opts = kda_options(q, k, v, g, beta, initial_state=leaves.get("initial_state"), output_final_state=True,
@@ -73,7 +73,8 @@ def _ours(x, window):
                            dt_bias=leaves.get("dt_bias"), state_v_first=v_first, cu_seqlens=x["cu_seqlens"], **flags)
         A_log, dt_bias = opts.kernel_gate_params(leaves.get("A_log"), leaves.get("dt_bias"))
         return chunk64_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=leaves.get("initial_state"),
-                           cu_seqlens=x["cu_seqlens"], opts=opts, window_tokens=window)
+                           cu_seqlens=x["cu_seqlens"], opts=opts, window_tokens=window,
+                           keep_intermediates=keep)
     return fn
 
 
@@ -95,17 +96,18 @@ def _rel(ref, got):
 
 
 CASES = [
-    # gate, B, T, H, HV, K, V, dtype, lengths, strided, h0, v_first, window
-    ("softplus", 1, 139, 1, 2, 24, 20, torch.float32, [70, 0, 64, 5], False, True, False, 64),
-    ("raw", 2, 80, 2, 4, 32, 32, torch.float32, None, True, False, False, None),
-    ("safe", 1, 139, 2, 2, 32, 24, torch.float32, [70, 0, 64, 5], True, True, True, None),
-    ("softplus", 2, 80, 1, 2, 32, 32, torch.bfloat16, None, False, False, False, 64),
+    # gate, B, T, H, HV, K, V, dtype, lengths, strided, h0, v_first, window, keep
+    ("softplus", 1, 139, 1, 2, 24, 20, torch.float32, [70, 0, 64, 5], False, True, False, 64, False),
+    ("raw", 2, 80, 2, 4, 32, 32, torch.float32, None, True, False, False, None, False),
+    ("safe", 1, 139, 2, 2, 32, 24, torch.float32, [70, 0, 64, 5], True, True, True, None, False),
+    ("softplus", 2, 80, 1, 2, 32, 32, torch.bfloat16, None, False, False, False, 64, False),
+    ("raw", 1, 139, 1, 2, 32, 16, torch.float32, [70, 0, 64, 5], True, True, False, 64, True),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{str(c[7])[6:]}-w{c[12]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{str(c[7])[6:]}-w{c[12]}{'-keep' if c[13] else ''}")
 def test_pipeline_matches_float64(case):
-    gate, B, T, H, HV, K, V, dtype, lengths, strided, h0, v_first, window = case
+    gate, B, T, H, HV, K, V, dtype, lengths, strided, h0, v_first, window, keep = case
     x = _inputs(gate, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, lengths=lengths, seed=7, strided=strided,
                 h0=h0, v_first=v_first)
     gen = torch.Generator().manual_seed(11)
@@ -114,7 +116,7 @@ def test_pipeline_matches_float64(case):
     dht = torch.randn(N, HV, *((V, K) if v_first else (K, V)), generator=gen)
     flags = GATES[gate]
     o_ref, ht_ref, g_ref = _run(_reference(x), x, flags, v_first, do.double(), dht.double())
-    o, ht, g = _run(_ours(x, window), x, flags, v_first, do, dht)
+    o, ht, g = _run(_ours(x, window, keep), x, flags, v_first, do, dht)
     tol = 2e-4 if dtype == torch.float32 else 3e-2
     assert _rel(o_ref, o) < tol, ("o", _rel(o_ref, o))
     assert _rel(ht_ref, ht) < tol, ("ht", _rel(ht_ref, ht))
