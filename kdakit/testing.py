@@ -147,24 +147,28 @@ def set_token_options(inputs: dict, *, l2norm: bool, beta_mode: str) -> dict:
     return inputs
 
 
-def run_kda(fn, inputs: dict, *, seed: int | None = None, **extra) -> dict:
+def run_kda(fn, inputs: dict, *, seed: int | None = None, cotangent_dtypes: tuple | None = None, **extra) -> dict:
     """Run ``fn`` (chunk_kda-like) forward+backward with random cotangents.
 
     Returns name -> tensor for ``o``, ``final_state`` (if any) and the gradient of each input
-    (``d<name>``). Cotangents are drawn from a generator seeded with ``seed`` so two calls with
-    the same seed see the same ``dO``/``dht``.
+    (``d<name>``). Cotangents are drawn in float64 from a generator seeded with ``seed`` so two calls
+    with the same seed see the same ``dO``/``dht``, then rounded to ``cotangent_dtypes`` (the dtypes
+    of ``o`` and ``final_state``; default: fn's outputs' own) and cast to the outputs' dtypes. A float64
+    reference given the dtypes of the path under test differentiates the very cotangents that path
+    got (``compare_with_naive`` does so).
     """
     t = {n: x.detach().clone().requires_grad_() for n, x in inputs["tensors"].items()}
     kw = dict(inputs["kwargs"], **extra)
     pos = [t[n] for n in ("q", "k", "v", "g", "beta")]
     named = {n: t[n] for n in ("initial_state", "A_log", "dt_bias") if n in t}
     o, ht = fn(*pos, **named, **kw)
+    do_dtype, dht_dtype = cotangent_dtypes or (None, None)
     gen = torch.Generator().manual_seed(1234 if seed is None else seed)
-    outs, cots = [o], [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)]
+    outs, cots = [o], [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(do_dtype or o.dtype).to(o)]
     res = {"o": o}
     if ht is not None:
         outs.append(ht)
-        cots.append(torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht))
+        cots.append(torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(dht_dtype or ht.dtype).to(ht))
         res["final_state"] = ht
     grads = torch.autograd.grad(outs, list(t.values()), cots, allow_unused=True)
     for n, gr in zip(t, grads):
@@ -198,8 +202,13 @@ def compare_with_naive(fn, inputs: dict, limits, *, seed: int | None = None, **e
     # float64 tokens are already the reference precision: the reference then sees the very same
     # leaves (a bf16 initial state stays bf16, so both sides round its gradient alike).
     exact = inputs["tensors"]["q"].dtype == torch.float64
-    ref = run_kda(naive_recurrent_kda, inputs if exact else float64_copy(inputs), seed=seed)
     got = run_kda(fn, inputs, seed=seed, **extra)
+    # The reference differentiates the cotangents fn got, rounded to fn's output dtypes (bf16 dO for bf16
+    # inputs): a float64 dO there would measure the cotangent's rounding, not fn's error (with one or two
+    # value heads, dA_log's single cancelling sum per head read above its limit so).
+    dtypes = (got["o"].dtype, got["final_state"].dtype if "final_state" in got else None)
+    ref = run_kda(naive_recurrent_kda, inputs if exact else float64_copy(inputs), seed=seed,
+                  cotangent_dtypes=dtypes)
     if set(ref) != set(got):
         raise AssertionError(f"outputs differ: reference {sorted(ref)}, got {sorted(got)}")
     for name in ref:

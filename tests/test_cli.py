@@ -240,6 +240,29 @@ def test_serve_mem_budget_that_fits_has_no_nothing_fits_line(capsys):
     assert "hybrid 78, all-MLA 21" in out
 
 
+@pytest.mark.parametrize("given", ["0.001", "0.00001", "80", "7.5", "0.3", "2.675", "1e-9"])
+def test_serve_mem_prints_the_budget_as_given(capsys, given):
+    # the budget's whole bytes over 2^30 used to print as "0.000999999" for --budget-gib 0.001
+    import re
+    from decimal import Decimal
+
+    assert main(["serve-mem", "--budget-gib", given]) == 0
+    out = capsys.readouterr().out
+    want = format(Decimal(given), "f")  # 1e-9 written out: 0.000000001
+    assert f"budget {want} GiB per device" in out, out
+    # the "nothing fits" sentence, where there is one, names the same figure
+    assert set(re.findall(r"(\S+) GiB budget per device", out)) <= {want}, out
+
+
+def test_serve_mem_budget_text_gives_back_the_same_bytes():
+    from kdakit.memory.serving_cli import budget_bytes_of, budget_text
+
+    for nbytes in (1, 1325, 1073741, 2 ** 30, 2 ** 30 + 1, 85899345920, 151719719731):
+        text = budget_text(nbytes)
+        assert budget_bytes_of(float(text)) == nbytes, (nbytes, text)
+        assert "e" not in text and len(text.split(".")[-1]) <= 12, text
+
+
 def test_serve_mem_plot_without_matplotlib_says_how_to_install_it(capsys, monkeypatch, tmp_path):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)

@@ -1,8 +1,10 @@
 """The ``kdakit mem`` command: ``measure``, ``model`` and ``plot``.
 
-``register(subparsers)`` adds it to the ``kdakit`` parser. Shapes are ``MBSxSEQ:HEADS``
-lists (``1x8192:96,8x8192:16``), backends comma lists (``kdakit,fla``); both are parsed
-by the command itself so a bad value gives one line on stderr and exit status 2.
+``register(subparsers)`` adds it to the ``kdakit`` parser. Shapes are comma lists of cells in the
+notation of docs/spec.md §3, ``MBSxSEQ:H[/HV][:gate]`` (``1x8192:96,8x8192:16``, ``1x8192:16/32``,
+``1x8k:96:softplus``), read by the one cell parser of every command (``measure_worker.parse_cells``);
+backends are comma lists (``kdakit,fla``). Both are parsed by the command itself so a bad value gives
+one line on stderr and exit status 2.
 
 Exit status: 0 success; 1 ``measure`` finished but a cell failed (error, crash, timeout;
 an OOM is a result, not a failure); 2 bad arguments or a run that cannot start (no CUDA
@@ -15,7 +17,11 @@ import argparse
 import json
 import sys
 
+from kdakit.memory.measure_worker import GATES as CELL_GATES
+from kdakit.memory.measure_worker import Cell, cell_of_record, parse_cell, parse_cells
+
 SPEC_SHAPES = "1x8192:96,8x8192:16,1x8192:128,1x131072:96"
+SHAPES_HELP = "comma list of cells MBSxSEQ:H[/HV][:gate] (docs/spec.md §3)"
 # The token dtypes ``--dtype`` documents (those chunk_kda takes for q, k, v, g, beta).
 TOKEN_DTYPES = ("bf16", "fp16", "fp32")
 
@@ -28,9 +34,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("call options (defaults: the memory protocol of docs/memory.md)")
     g.add_argument("--head-dim", type=int, default=128, help="K (and V unless --value-dim), default 128")
     g.add_argument("--value-dim", type=int, default=None, help="V, default = --head-dim")
-    g.add_argument("--qk-heads", type=int, default=None, help="q/k heads H (GVA: HEADS is HV), default = HEADS")
+    g.add_argument("--qk-heads", type=int, default=None,
+                   help="q/k heads H of cells written MBSxSEQ:HEADS (HEADS is then HV), default = HEADS")
     g.add_argument("--dtype", default="bf16", help=f"token dtype: {', '.join(TOKEN_DTYPES)} (default bf16)")
-    g.add_argument("--gate", default="safe", help="safe (lower bound -5), softplus or precomputed (default safe)")
+    g.add_argument("--gate", default=None,
+                   help="safe (lower bound -5), softplus or precomputed, for cells that name no gate (default safe)")
     g.add_argument("--no-l2norm", action="store_true", help="without in-kernel q/k l2norm")
     g.add_argument("--no-beta-sigmoid", action="store_true", help="without in-kernel beta sigmoid")
     g.add_argument("--no-gate-params", action="store_true", help="without A_log and dt_bias")
@@ -40,27 +48,37 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, default=None, help="kdakit state-checkpoint cadence in tokens")
 
 
-def _spec(args, shape):
+def _spec(args, cell: Cell):
+    """The modelled call of one cell: the heads ``H/HV`` and the gate the cell writes, else ``--qk-heads`` (the
+    cell's heads are then HV, as in ``MBSxSEQ:HEADS``) and ``--gate``; an option contradicting the cell raises."""
     from kdakit.memory.model import protocol_spec
 
-    mbs, seq, heads = shape
     if args.dtype.lower() not in TOKEN_DTYPES:
         raise CommandError(f"--dtype must be one of {', '.join(TOKEN_DTYPES)}, got {args.dtype!r}")
+    qk_heads = args.qk_heads
+    if cell.value_heads is not None:
+        if qk_heads is not None and qk_heads != cell.heads:
+            raise CommandError(f"--qk-heads must match the q/k heads H={cell.heads} of cell {cell.label}, "
+                               f"got {qk_heads}")
+        qk_heads = cell.heads
+    gate = args.gate if args.gate is not None else cell.gate
+    if cell.gate != "safe" and gate != cell.gate:
+        raise CommandError(f"--gate must match the gate {cell.gate} of cell {cell.label}, got {args.gate!r}")
     return protocol_spec(
-        mbs, seq, heads, head_dim=args.head_dim, value_dim=args.value_dim, qk_heads=args.qk_heads,
-        dtype=args.dtype.lower(), gate=args.gate, use_qk_l2norm=not args.no_l2norm,
+        cell.mbs, cell.seq, cell.hv, head_dim=args.head_dim, value_dim=args.value_dim, qk_heads=qk_heads,
+        dtype=args.dtype.lower(), gate=gate, use_qk_l2norm=not args.no_l2norm,
         use_beta_sigmoid=not args.no_beta_sigmoid, gate_params=not args.no_gate_params,
         initial_state=args.initial_state, output_final_state=args.output_final_state, varlen=not args.no_varlen,
         checkpoint_every_n_tokens=args.checkpoint_every,
     )
 
 
-def _models(args, backends, shapes):
+def _models(args, backends, cells):
     from kdakit.memory.model import ModelUnsupported, model
 
     out = []
-    for shape in shapes:
-        spec = _spec(args, shape)
+    for cell in cells:
+        spec = _spec(args, cell)
         for backend in backends:
             try:
                 out.append(model(backend, spec))
@@ -69,22 +87,35 @@ def _models(args, backends, shapes):
     return out
 
 
+def _spec_cell(spec) -> str | None:
+    """The label of the measured cell a modelled call is (``mem measure`` records name theirs), None when the
+    call is not one (a precomputed gate)."""
+    if spec.gate not in CELL_GATES:
+        return None
+    return Cell(spec.mbs, spec.seq, spec.H, spec.HV, spec.gate).label
+
+
+def _shape_text(spec) -> str:
+    """The table's shape column: ``MBS x SEQ : H[/HV][ : gate]`` (heads alone when H = HV, as the protocol's)."""
+    heads = str(spec.HV) if spec.H == spec.HV else f"{spec.H}/{spec.HV}"
+    return f"{spec.mbs} x {spec.seq} : {heads}" + (f" : {spec.gate}" if spec.gate != "safe" else "")
+
+
 # ---------------------------------------------------------------------------------------
 # mem model
 
 
 def _cmd_model(args) -> int:
     from kdakit.memory.measure import load_records
-    from kdakit.memory.model import GROUPS, parse_backends, parse_shapes
+    from kdakit.memory.model import GROUPS, parse_backends
 
     backends = parse_backends(args.backends)
-    shapes = parse_shapes(args.shapes)
-    models = _models(args, backends, shapes)
+    models = _models(args, backends, parse_cells(args.shapes))
     measured = {}
     if args.measured:
         for r in load_records(args.measured):
             if r.get("status") == "ok" and r.get("peak_alloc_gib") is not None:
-                measured[(r["backend"], r["mbs"], r["seq"], r["heads"])] = float(r["peak_alloc_gib"])
+                measured[(r["backend"], cell_of_record(r).label)] = float(r["peak_alloc_gib"])
     if args.reserved:
         _check_reserved_models(models)
     if args.json:
@@ -94,7 +125,7 @@ def _cmd_model(args) -> int:
                 r = _reserved(m)
                 rec["reserved_after_short_step_gib"] = r.peak_reserved_bytes / 2 ** 30
                 rec["reserved_clean_gib"] = r.peak_reserved_clean_bytes / 2 ** 30
-            got = measured.get((m.backend, m.spec.mbs, m.spec.seq, m.spec.heads))
+            got = measured.get((m.backend, _spec_cell(m.spec)))
             if got is not None:
                 rec["measured_peak_alloc_gib"] = got
                 rec["model_error_pct"] = round(100.0 * (m.peak_gib - got) / got, 4)
@@ -111,9 +142,9 @@ def _cmd_model(args) -> int:
     print("|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|")
     for m in models:
         s = m.spec
-        row = [m.backend, f"{s.mbs} x {s.seq} : {s.heads}", f"{m.floor_gib:.3f}", f"{m.peak_gib:.3f}"]
+        row = [m.backend, _shape_text(s), f"{m.floor_gib:.3f}", f"{m.peak_gib:.3f}"]
         if measured:
-            got = measured.get((m.backend, s.mbs, s.seq, s.heads))
+            got = measured.get((m.backend, _spec_cell(s)))
             row += ["-", "-"] if got is None else [f"{got:.3f}", f"{100.0 * (m.peak_gib - got) / got:+.2f}%"]
         gg = m.groups_gib()
         row += [f"{m.overhead_gib:.3f}"] + [f"{gg.get(g, 0.0):.3f}" for g in groups]
@@ -169,10 +200,10 @@ def _print_reserved(models) -> None:
 def _cmd_measure(args) -> int:
     from kdakit.memory.measure import (MeasureError, MeasureOptions, json_record, markdown_table,
                                        run_measure)
-    from kdakit.memory.model import parse_backends, parse_shapes
+    from kdakit.memory.model import parse_backends
 
     backends = parse_backends(args.backends)
-    shapes = parse_shapes(args.shapes)
+    cells = parse_cells(args.shapes)
     options = MeasureOptions(
         device=args.device, dry_run=args.dry_run, timeout_s=args.timeout, reps=args.reps,
         timing_runs=args.timing_runs, warmup_seq=args.warmup_seq, warmup_iters=args.warmup_iters,
@@ -189,7 +220,7 @@ def _cmd_measure(args) -> int:
             sink.flush()
 
     try:
-        results = run_measure(backends, shapes, options, progress=None if args.quiet else sys.stderr, on_result=emit)
+        results = run_measure(backends, cells, options, progress=None if args.quiet else sys.stderr, on_result=emit)
     except MeasureError as exc:
         raise CommandError(str(exc)) from None
     finally:
@@ -212,18 +243,20 @@ def _cmd_measure(args) -> int:
 
 def _cmd_plot(args) -> int:
     from kdakit.memory.measure import load_records
-    from kdakit.memory.model import parse_backends, parse_shape
+    from kdakit.memory.model import parse_backends
     from kdakit.memory.plot import FORMATS, measured_peaks, plot_groups
 
     backends = parse_backends(args.backends)
-    shape = parse_shape(args.shape)
+    cell = parse_cell(args.shape)
     formats = [f.strip().lower() for f in args.format.split(",") if f.strip()]
     for fmt in formats:
         if fmt not in FORMATS:
             raise CommandError(f"unknown format {fmt!r}: expected png and/or svg")
-    models = _models(args, backends, [shape])
-    measured = measured_peaks(load_records(args.measured), shape) if args.measured else None
-    stem = args.out or f"kdakit_mem_{shape[0]}x{shape[1]}_h{shape[2]}"
+    models = _models(args, backends, [cell])
+    spec = models[0].spec
+    measured = measured_peaks(load_records(args.measured), _spec_cell(spec)) if args.measured else None
+    stem = args.out or f"kdakit_mem_{spec.mbs}x{spec.seq}_h{spec.H}" + (
+        f"_hv{spec.HV}" if spec.HV != spec.H else "") + (f"_{spec.gate}" if spec.gate != "safe" else "")
     try:
         paths = plot_groups(models, stem, measured=measured, formats=formats, title=args.title)
     except ImportError as exc:
@@ -255,7 +288,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
     m = sub.add_parser("measure", help="measure peaks by the memory protocol of docs/memory.md (one fresh process per cell, CUDA)")
     m.add_argument("--backends", default="kdakit,fla", help="comma list of kdakit, fla, reference (default kdakit,fla)")
-    m.add_argument("--shapes", default=SPEC_SHAPES, help=f"comma list of MBSxSEQ:HEADS (default {SPEC_SHAPES})")
+    m.add_argument("--shapes", default=SPEC_SHAPES, help=f"{SHAPES_HELP} (default {SPEC_SHAPES})")
     m.add_argument("--json", action="store_true", help="print one JSON object per cell as it finishes")
     m.add_argument("--timeout", type=float, default=900.0, help="seconds per cell, warm-up included (default 900)")
     m.add_argument("--reps", type=int, default=3, help="measured steps per cell; the median is reported (default 3)")
@@ -276,7 +309,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
     d = sub.add_parser("model", help="analytic peak and storage groups at the peak, on CPU, for any shape")
     d.add_argument("--backends", default="kdakit,fla", help="comma list of kdakit, fla (default kdakit,fla)")
-    d.add_argument("--shapes", default=SPEC_SHAPES, help=f"comma list of MBSxSEQ:HEADS (default {SPEC_SHAPES})")
+    d.add_argument("--shapes", default=SPEC_SHAPES, help=f"{SHAPES_HELP} (default {SPEC_SHAPES})")
     d.add_argument("--json", action="store_true", help="one JSON object per backend x shape")
     d.add_argument("--tensors", action="store_true", help="also list every tensor live at the peak")
     d.add_argument("--measured", help="JSON lines from `kdakit mem measure --json` to compare against")
@@ -288,7 +321,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="stacked bar chart of the storage groups at the peak (PNG and SVG)")
     p.add_argument("--backends", default="kdakit,fla", help="comma list of kdakit, fla (default kdakit,fla)")
-    p.add_argument("--shape", default="1x131072:96", help="one MBSxSEQ:HEADS (default 1x131072:96)")
+    p.add_argument("--shape", default="1x131072:96", help="one cell MBSxSEQ:H[/HV][:gate] (default 1x131072:96)")
     p.add_argument("--out", help="output path without extension (default kdakit_mem_<shape>)")
     p.add_argument("--format", default="png,svg", help="png, svg or png,svg (default png,svg)")
     p.add_argument("--measured", help="JSON lines from `kdakit mem measure --json`: measured peaks as markers")

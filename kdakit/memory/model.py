@@ -45,7 +45,6 @@ Backends:
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field, replace
 
 GIB = float(2 ** 30)
@@ -108,25 +107,6 @@ def canonical_group(group: str) -> str:
 
 # ---------------------------------------------------------------------------------------
 # The call being modelled
-
-
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """``"MBSxSEQ:HEADS"`` (e.g. ``"8x8192:16"``; ``SEQ`` may end in ``k`` = 1024) -> (mbs, seq, heads)."""
-    m = re.match(r"^\s*(\d+)\s*[xX]\s*(\d+)([kK]?)\s*:\s*(\d+)\s*$", text)
-    if not m:
-        raise ValueError(f"shape must look like MBSxSEQ:HEADS (e.g. 1x8192:96 or 1x128k:96), got {text!r}")
-    mbs, seq, heads = int(m.group(1)), int(m.group(2)) * (1024 if m.group(3) else 1), int(m.group(4))
-    if mbs <= 0 or seq <= 0 or heads <= 0:
-        raise ValueError(f"shape {text!r}: MBS, SEQ and HEADS must be positive, got {mbs}x{seq}:{heads}")
-    return mbs, seq, heads
-
-
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
-    """Comma-separated :func:`parse_shape` list, e.g. ``"1x8192:96,8x8192:16"``."""
-    items = [s for s in text.split(",") if s.strip()]
-    if not items:
-        raise ValueError(f"shapes must be a comma-separated list of MBSxSEQ:HEADS, got {text!r}")
-    return [parse_shape(s) for s in items]
 
 
 def parse_backends(text: str, allowed=BACKENDS) -> list[str]:
@@ -230,7 +210,9 @@ class CallSpec:
 
     @property
     def label(self) -> str:
-        return f"{self.mbs}x{self.seq}:{self.heads}"
+        """The call in the cell notation of docs/spec.md §3: ``MBSxSEQ:H[/HV][:gate]``."""
+        heads = str(self.HV) if self.H == self.HV else f"{self.H}/{self.HV}"
+        return f"{self.mbs}x{self.seq}:{heads}" + (f":{self.gate}" if self.gate != "safe" else "")
 
 
 def protocol_spec(mbs: int, seq: int, heads: int, **options) -> CallSpec:

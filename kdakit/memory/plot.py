@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from kdakit.memory.measure_worker import cell_of_record
 from kdakit.memory.model import GROUPS, MemoryModel
 
 # One colour per canonical group (colour-blind-safe palette), grey for anything else.
@@ -96,12 +97,12 @@ def plot_groups(models: list[MemoryModel], out_stem: str, measured: dict[str, fl
     return paths
 
 
-def measured_peaks(records: list[dict], shape: tuple[int, int, int]) -> dict[str, float]:
-    """Measured peaks (GiB) per backend at ``shape`` from ``kdakit mem measure`` records (status ok only)."""
-    mbs, seq, heads = shape
+def measured_peaks(records: list[dict], cell: str | None) -> dict[str, float]:
+    """Measured peaks (GiB) per backend at the cell labelled ``cell`` (``MBSxSEQ:H[/HV][:gate]``) from
+    ``kdakit mem measure`` records (status ok only); none for ``cell=None`` (a call no cell measures)."""
     out = {}
     for r in records:
-        if (r.get("mbs"), r.get("seq"), r.get("heads")) == (mbs, seq, heads) and r.get("status") == "ok" \
+        if cell is not None and cell_of_record(r).label == cell and r.get("status") == "ok" \
                 and r.get("peak_alloc_gib") is not None:
             out[r["backend"]] = float(r["peak_alloc_gib"])
     return out

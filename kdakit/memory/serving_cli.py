@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import sys
+from decimal import ROUND_CEILING, Decimal
 from pathlib import Path
 from typing import List, Optional
 
@@ -303,13 +304,30 @@ def _fit_context(est: ServingEstimate, design: str) -> str:
     return f"0 tokens (nothing fits: batch {est.batch:,} needs {_short_bytes(need)} at one token)"
 
 
+def budget_bytes_of(gib: float) -> int:
+    """The bytes of a ``--budget-gib`` figure (whole bytes, rounded down: a budget is not exceeded)."""
+    return int(gib * GIB)
+
+
+def budget_text(budget_bytes: int) -> str:
+    """A budget in GiB as a person writes it: the decimal with the fewest places that ``budget_bytes_of`` turns
+    back into these bytes ("0.001" for ``--budget-gib 0.001``, whose bytes / 2^30 print as 0.000999999)."""
+    low = Decimal(budget_bytes) / GIB  # the figures that give these bytes lie in [low, high)
+    high = Decimal(budget_bytes + 1) / GIB
+    for places in range(20):
+        text = low.quantize(Decimal(1).scaleb(-places), rounding=ROUND_CEILING)
+        if text < high and budget_bytes_of(float(text)) == budget_bytes:
+            return format(text, "f")
+    return f"{budget_bytes / GIB:g}"
+
+
 def nothing_fits(est: ServingEstimate) -> Optional[str]:
     """A plain sentence when the budget holds not one sequence of ``est.context`` tokens in the hybrid, else None."""
     if est.budget_bytes is None or est.max_batch_hybrid:
         return None
     hybrid = _state_bytes(est, "hybrid", 1, est.context)
     mla = _state_bytes(est, "mla", 1, est.context)
-    return (f"the {est.budget_bytes / GIB:g} GiB budget per device does not hold one sequence of "
+    return (f"the {budget_text(est.budget_bytes)} GiB budget per device does not hold one sequence of "
             f"{est.context:,} tokens: the hybrid needs {_short_bytes(hybrid)}, all-MLA {_short_bytes(mla)}; "
             "raise --budget-gib or lower --context")
 
@@ -336,7 +354,7 @@ def format_table(est: ServingEstimate) -> str:
     ]
     if est.budget_bytes is not None:
         rows += [
-            (f"budget {est.budget_bytes / GIB:g} GiB per device", ""),
+            (f"budget {budget_text(est.budget_bytes)} GiB per device", ""),
             (f"  largest batch at {est.context:,} tokens",
              f"hybrid {_fit_batch(est, 'hybrid')}, all-MLA {_fit_batch(est, 'mla')}"),
             (f"  longest context at batch {est.batch}",
@@ -374,7 +392,7 @@ def plot_serving_memory(cfg: HybridModelConfig, batch: int, context: int, path, 
     ax_mem.loglog(ts, [r[1] / GIB for r in rows], label=f"all-MLA ({cfg.num_layers} MLA layers)")
     ax_mem.loglog(ts, [r[2] / GIB for r in rows], label=f"hybrid ({cfg.num_kda} KDA + {cfg.num_mla} MLA)")
     if budget_bytes is not None:
-        ax_mem.axhline(budget_bytes / GIB, color="tab:red", lw=1, label=f"budget {budget_bytes / GIB:g} GiB")
+        ax_mem.axhline(budget_bytes / GIB, color="tab:red", lw=1, label=f"budget {budget_text(budget_bytes)} GiB")
     ax_mem.set_ylabel(f"active attention state (GiB)\nbatch {batch}, per rank, tp {tp}")
     ax_ratio.loglog(ts, [r[3] for r in rows], color="tab:green", label="M_hybrid / M_MLA")
     ax_ratio.axhline(1.0, color="gray", lw=1)
@@ -405,7 +423,7 @@ def run_serve_mem(args, parser: Optional[argparse.ArgumentParser] = None) -> int
         cfg = config_from_args(args)
         budget = None
         if args.budget_gib is not None:
-            budget = int(args.budget_gib * GIB)
+            budget = budget_bytes_of(args.budget_gib)
             if budget < 1:
                 raise ValueError(f"--budget-gib: expected at least one byte, got {args.budget_gib!r}")
         if args.plot is not None and args.plot.suffix.lower() not in PLOT_FORMATS:

@@ -68,13 +68,53 @@ def test_model_compares_with_measured_records(capsys, tmp_path):
     assert {"dq_intra", "dk_intra", "dg_intra", "bwd_h", "dh"} <= {t["name"] for t in rec["tensors"]}
 
 
+def test_every_command_takes_the_cell_notation(capsys, monkeypatch):
+    # model and plot used a second parser that refused the cells measure's workers and docs/spec.md §3 take
+    def model_json(*argv):
+        rc, out, err = _run(capsys, "model", "--backends", "kdakit,fla", "--json", *argv)
+        assert rc == 0, err
+        return [json.loads(ln) for ln in out.splitlines()]
+
+    gva = model_json("--shapes", "1x8192:16/32")
+    assert gva == model_json("--shapes", "1x8192:32", "--qk-heads", "16")  # HEADS is HV with --qk-heads
+    assert (gva[0]["heads"], gva[0]["qk_heads"]) == (32, 16)
+    softplus = model_json("--shapes", "1x8k:16:softplus")
+    assert softplus == model_json("--shapes", "1x8192:16", "--gate", "softplus")
+    assert softplus[0]["gate"] == "softplus"
+    rc, out, err = _run(capsys, "model", "--backends", "kdakit", "--shapes", "1x8192:16/32,1x8192:16:softplus")
+    assert rc == 0, err
+    assert "| kdakit | 1 x 8192 : 16/32 |" in out and "| kdakit | 1 x 8192 : 16 : softplus |" in out
+    assert "kdakit 1x8192:16/32: peak during" in out
+    seen = []
+    monkeypatch.setattr(measure, "run_measure", lambda backends, cells, options, **kw: seen.extend(cells) or [])
+    rc, out, err = _run(capsys, "measure", "--device", "cpu", "--dry-run", "--backends", "reference",
+                        "--shapes", "1x16:1/2,1x16:2:softplus")
+    assert rc == 0, err
+    assert [c.label for c in seen] == ["1x16:1/2", "1x16:2:softplus"]
+
+
+def test_model_matches_measured_records_by_cell(capsys, tmp_path):
+    path = tmp_path / "measured.jsonl"
+    rec = {"backend": "fla", "mbs": 1, "seq": 8192, "heads": 16, "value_heads": 32, "gate": "safe",
+           "cell": "1x8192:16/32", "status": "ok", "peak_alloc_gib": 3.0}
+    path.write_text(json.dumps(rec) + "\n")
+    for shape, found in (("1x8192:16/32", True), ("1x8192:32", False), ("1x8192:16", False)):
+        rc, out, err = _run(capsys, "model", "--backends", "fla", "--shapes", shape, "--json", "--measured", str(path))
+        assert rc == 0, err
+        assert ("measured_peak_alloc_gib" in json.loads(out)) is found, shape
+
+
 @pytest.mark.parametrize("argv,words", [
-    (["model", "--shapes", "1x8192"], ["MBSxSEQ:HEADS", "'1x8192'"]),
+    (["model", "--shapes", "1x8192"], ["MBSxSEQ:H[/HV][:gate]", "'1x8192'"]),
     (["model", "--shapes", "1x8192:96,banana"], ["'banana'"]),
     (["model", "--backends", "kdakit,flash"], ["unknown backend 'flash'"]),
     (["model", "--backends", "reference"], ["no analytic peak model", "mem measure --backends reference"]),
     (["model", "--shapes", "1x8192:96", "--gate", "sigmoid"], ["gate must be one of"]),
     (["model", "--shapes", "1x8192:96", "--qk-heads", "5"], ["multiple of qk_heads"]),
+    (["model", "--shapes", "1x8192:16/32", "--qk-heads", "8"], ["--qk-heads must match", "H=16", "got 8"]),
+    (["model", "--shapes", "1x8192:16:softplus", "--gate", "precomputed"],
+     ["--gate must match the gate softplus", "'precomputed'"]),
+    (["plot", "--shape", "1x8192:16:sigmoid"], ["gate must be one of"]),
     (["measure", "--shapes", "0x8192:96"], ["positive"]),
     (["measure", "--backends", "triton"], ["unknown backend 'triton'"]),
     (["measure", "--device", "cpu", "--backends", "reference", "--shapes", "1x16:1"], ["--dry-run"]),
@@ -223,6 +263,15 @@ def test_plot_writes_png_and_svg_with_measured_markers(capsys, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     svg = open(paths[1]).read()
     assert "<svg" in svg and "6.590" in svg and "measured" in svg
+
+
+def test_plot_takes_a_cell_with_value_heads_and_gate(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _run(capsys, "plot", "--backends", "kdakit", "--shape", "1x1024:2/4:softplus", "--format", "svg")
+    assert rc == 0, err
+    assert out.split() == ["kdakit_mem_1x1024_h2_hv4_softplus.svg"]
+    assert "<svg" in (tmp_path / "kdakit_mem_1x1024_h2_hv4_softplus.svg").read_text()
 
 
 def test_load_records_rejects_a_bad_line(tmp_path):

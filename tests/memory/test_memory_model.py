@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import kdakit.memory.model as M
+from kdakit.memory.measure_worker import Cell, parse_cell, parse_cells
 from kdakit.memory.model import (
     GIB,
     GROUP_STATES,
@@ -27,8 +28,6 @@ from kdakit.memory.model import (
     kdakit_plan,
     model,
     parse_backends,
-    parse_shape,
-    parse_shapes,
     protocol_spec,
     reference_saved_bytes,
 )
@@ -130,12 +129,13 @@ def test_timeline_rejects_double_allocation_and_unknown_free():
 
 
 def test_shape_and_backend_parsing():
-    assert parse_shape("8x8192:16") == (8, 8192, 16)
-    assert parse_shape(" 1x128k:96 ") == (1, 131072, 96)
-    assert parse_shapes("1x8192:96,8x8192:16") == [(1, 8192, 96), (8, 8192, 16)]
+    # the shapes of every mem command are cells, read by measure_worker's one parser
+    assert parse_cell("8x8192:16") == Cell(8, 8192, 16)
+    assert parse_cell(" 1x128k:96 ") == Cell(1, 131072, 96)
+    assert parse_cells("1x8192:96,8x8192:16") == [Cell(1, 8192, 96), Cell(8, 8192, 16)]
     for bad in ("8x8192", "x8192:16", "8x8192:0", "8*8192:16", ""):
-        with pytest.raises(ValueError, match="MBSxSEQ:HEADS|positive"):
-            parse_shapes(bad)
+        with pytest.raises(ValueError, match="MBSxSEQ:H|integer|positive|no cells"):
+            parse_cells(bad)
     assert parse_backends("kdakit,fla") == ["kdakit", "fla"]
     with pytest.raises(ValueError, match="unknown backend 'flash'"):
         parse_backends("kdakit,flash")

@@ -34,7 +34,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.preprocess import L2NORM_EPS, SOFTPLUS_THRESHOLD
+# LOG_DECAY_FLOOR: log-decays are clamped to >= it on load, the same floor as the PyTorch path's (preprocess.py
+# says why; defined there so that the PyTorch path imports no Triton code).
+from kdakit.ops.kda.preprocess import L2NORM_EPS, LOG_DECAY_FLOOR, SOFTPLUS_THRESHOLD
 
 # Gate modes (constexpr GATE in the kernels).
 GATE_NONE = 0  # g is the log-decay itself
@@ -43,11 +45,6 @@ GATE_LOWER_BOUND = 2  # a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
 
 # Below this, log(1 + exp(x)) is exp(x) to float32 precision and the sum 1 + exp(x) would round away.
 SOFTPLUS_SMALL = -15.0
-# Log-decays are clamped to >= this on load. Every factor the kernels form is exp of a sum of
-# non-positive log-decays, and exp(-110) is below float32's smallest denormal, so any sum that
-# contains a clamped term is exactly 0 either way; the clamp only keeps the chunk cumsum small so
-# that differences G_i - G_j after a reset-level decay (-1000) keep their precision.
-LOG_DECAY_FLOOR = -110.0
 # The same constants as tl.constexpr: the form in which a @triton.jit function may read a module global.
 L2NORM_EPS_TL = tl.constexpr(L2NORM_EPS)
 SOFTPLUS_THRESHOLD_TL = tl.constexpr(SOFTPLUS_THRESHOLD)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
+from kdakit.ops.kda.preprocess import compute_dtype, floor_log_decay, kda_beta, kda_gate, l2norm
 
 # 16 measured fastest on 2 CPU cores at T=4096, H=4, D=128 (fwd+bwd 2.0 s vs 3.5 s at 32, 6.7 s at 64).
 DEFAULT_CHUNK_SIZE = 16
@@ -77,27 +77,22 @@ def sequence_index(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: 
     return idx.to(device), valid.to(device)
 
 
-LOG_DECAY_FLOOR = -1e4
-
-
 def _chunk_step(qc, kc, vc, ac, bc, S, scale):
     """One chunk for all sequences and heads. Shapes: qc, kc, ac [N, HV, C, K]; vc [N, HV, C, V];
     bc [N, HV, C]; S [N, HV, K, V]. Returns (O [N, HV, C, V], S_next)."""
     dt = qc.dtype
     C = qc.shape[-2]
-    # A log-decay of -inf (or a raw gate of +inf under softplus) would make G_i - G_j = -inf - -inf = NaN;
-    # exp(-1e4) is already 0 in float64, so flooring there changes no finite result (the Triton kernels
-    # floor at -110, below float32's smallest denormal, for the same reason). A where, not clamp: clamp's
-    # gradient is 0 at a NaN log-decay, and a NaN's gradient must stay NaN, as in the kernels.
-    a64 = ac.to(torch.float64)
-    G64 = torch.where(a64 < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, a64).cumsum(-2)  # [N, HV, C, K]
+    # A log-decay of -inf (or a raw gate of +inf under softplus) would make G_i - G_j = -inf - -inf = NaN: it is
+    # floored as the Triton kernels floor it (floor_log_decay: NaN kept, gradient 0 where the floor holds). The
+    # cumsum and every exponent formed from it run in float64 and are rounded once, after exp: a float32 G near
+    # a few hundred (a few floored resets) would put a rounding step of ~1e-5 into each G_i - G_j.
+    G64 = floor_log_decay(ac.to(torch.float64)).cumsum(-2)                  # [N, HV, C, K]
     diff = G64[..., :, None, :] - G64[..., None, :, :]                     # [N, HV, C, C, K]
     incl = torch.ones(C, C, dtype=torch.bool, device=qc.device).tril()
     diff = diff.masked_fill(~incl[:, :, None], float("-inf"))
     E = diff.exp().to(dt)                                                  # exp(G_i - G_j), 0 above the diagonal
-    G = G64.to(dt)
-    gamma = G.exp()                                                        # [N, HV, C, K]
-    g_last = G[..., -1:, :]                                                # [N, HV, 1, K]
+    gamma = G64.exp().to(dt)                                               # [N, HV, C, K]
+    g_last = G64[..., -1:, :]                                              # [N, HV, 1, K]
 
     A_raw = torch.einsum("nhic,nhjc,nhijc->nhij", kc, kc, E)               # [N, HV, C, C]
     strict = torch.ones(C, C, dtype=torch.bool, device=qc.device).tril(-1)
@@ -110,8 +105,8 @@ def _chunk_step(qc, kc, vc, ac, bc, S, scale):
     U = Tinv @ (bc[..., None] * vc)                                        # [N, HV, C, V]
     Vn = U - W @ S                                                         # [N, HV, C, V]
     O = scale * ((qc * gamma) @ S + Aqk @ Vn)
-    kd = kc * torch.exp(g_last - G)                                        # [N, HV, C, K]
-    S = g_last.exp().transpose(-1, -2) * S + kd.transpose(-1, -2) @ Vn
+    kd = kc * torch.exp(g_last - G64).to(dt)                               # [N, HV, C, K]
+    S = g_last.exp().to(dt).transpose(-1, -2) * S + kd.transpose(-1, -2) @ Vn
     return O, S
 
 

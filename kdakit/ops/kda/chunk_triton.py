@@ -23,6 +23,7 @@ from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd
 from kdakit.ops.kda.chunk_reference import INTERMEDIATE_STATE_TOKENS
 from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.plan import plan_kda, sequence_lengths
+from kdakit.ops.kda.validate import check_triton_dtypes
 
 
 class ChunkKDATritonFunction(torch.autograd.Function):
@@ -77,7 +78,7 @@ def chunk_kda_triton(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seql
     The lengths of packed sequences come from ``opts.shape.seqlens`` (validation read them); an object built
     without validation has none, and they are then read from ``cu_seqlens``.
     """
-    seqlens = _checked(q, k, v, g, beta, cu_seqlens, opts.shape.seqlens)
+    seqlens = _checked(q, k, v, g, beta, cu_seqlens, opts.shape.seqlens, initial_state)
     return ChunkKDATritonFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, seqlens,
                                         checkpoint_every_n_tokens, opts)
 
@@ -91,8 +92,9 @@ def _plan(q, v, A_log, initial_state, seqlens, output_final_state, checkpoint_ev
                     checkpoint_dtype=checkpoint_dtype)
 
 
-def _checked(q, k, v, g, beta, cu_seqlens, seqlens) -> tuple | None:
+def _checked(q, k, v, g, beta, cu_seqlens, seqlens, initial_state) -> tuple | None:
     """What the Triton kernels need beyond validation; returns the host lengths of packed sequences."""
+    check_triton_dtypes({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state})
     if cu_seqlens is None:
         seqlens = None
     elif seqlens is None:
@@ -100,9 +102,6 @@ def _checked(q, k, v, g, beta, cu_seqlens, seqlens) -> tuple | None:
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous for the Triton kernels, got strides {tuple(t.stride())}")
-        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(f"{name} must be float16, bfloat16 or float32 for the Triton kernels, got {t.dtype}; "
-                            "use KDAKIT_BACKEND=torch for float64")
     return seqlens
 
 
@@ -111,7 +110,7 @@ def chunk_kda_triton_states(q, k, v, g, beta, *, A_log, dt_bias, initial_state, 
     ``(o, final_state or None, h)``. h is the forward's own checkpoint store at a 64-token cadence, written
     in k's dtype and the requested state layout straight from the state kernel: ``[B, NT, HV, K, V]``
     (``[.., V, K]`` with state_v_first), B = 1 and NT over all sequences when packed (FLA's h)."""
-    seqlens = _checked(q, k, v, g, beta, cu_seqlens, opts.shape.seqlens)
+    seqlens = _checked(q, k, v, g, beta, cu_seqlens, opts.shape.seqlens, initial_state)
     plan = _plan(q, v, A_log, initial_state, seqlens, opts.output_final_state, INTERMEDIATE_STATE_TOKENS, k.dtype)
     o, final, h = chunk_kda_fwd(q, k, v, g, beta, opts=opts, A_log=A_log, dt_bias=dt_bias,
                                 initial_state=initial_state, cu_seqlens=cu_seqlens, plan=plan, checkpoint_dtype=k.dtype,

@@ -58,7 +58,7 @@ from kdakit.ops.kda.recurrent_forward import (
     check_kernel_layout,
 )
 from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
-from kdakit.ops.kda.validate import STATE_DTYPES, check_index_tensor, check_pool_rows
+from kdakit.ops.kda.validate import STATE_DTYPES, check_index_tensor, check_pool_rows, check_triton_dtypes
 from kdakit.ops.kda.workspace import (
     Workspace,
     call_signature,
@@ -466,6 +466,8 @@ def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_sta
                                  **dict(kw, cu_seqlens=cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu))
         return o, final
     if not prepared:
+        # the pool (initial_state) is read through its row stride: its dtype alone is checked here
+        check_triton_dtypes({"initial_state": initial_state})
         check_kernel_layout(K, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
                                 "cu_seqlens": cu_seqlens})
     launch_pool_recurrent(q, k, v, g, beta, o, opts, **kw)

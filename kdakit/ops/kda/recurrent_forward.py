@@ -37,6 +37,7 @@ import triton.language as tl
 
 from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.ops.kda.chunk_common import l2norm_rstd, round_to_bf16, round_to_bf16_if, seq_bounds, softplus_fp32
+from kdakit.ops.kda.validate import check_triton_dtypes
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -333,7 +334,9 @@ def _recurrent_kernel(
 # ---------------------------------------------------------------------------------------------
 
 def check_kernel_layout(K: int, tensors: dict) -> None:
-    """The Triton kernels read dense tensors and keep K in registers: raise otherwise (no hidden copies)."""
+    """The Triton kernels read dense tensors of the dtypes they compute (no float64: ``check_triton_dtypes``)
+    and keep K in registers: raise otherwise (no hidden copies, no silent fp32 for float64)."""
+    check_triton_dtypes(tensors)
     if K > MAX_HEAD_DIM:
         raise ValueError(f"the recurrent Triton kernels support K <= {MAX_HEAD_DIM}, got K={K}")
     for name, t in tensors.items():

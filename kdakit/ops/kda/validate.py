@@ -22,6 +22,8 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+# What the Triton kernels read: they compute in fp32, so float64 is the PyTorch backend's alone.
+TRITON_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,17 @@ def _check_tensor(name: str, t, ndim: int, dtypes=FLOAT_DTYPES) -> None:
         raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got {t.dim()}-D tensor of shape {_shape(t)}")
+
+
+def check_triton_dtypes(tensors: dict) -> None:
+    """Refuse a floating tensor the Triton kernels cannot honour (float64), naming it: the kernels compute in
+    fp32, so a float64 input would come back computed in fp32 without a word. ``tensors``: name -> tensor or
+    None (non-floating tensors such as offsets are skipped). Every Triton op calls this; the PyTorch backend
+    computes float64 and never does. Reads the dtype alone (metadata: no value, no device sync)."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.dtype not in TRITON_FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32 for the Triton kernels, got {t.dtype}; "
+                            "use KDAKIT_BACKEND=torch for float64")
 
 
 def _check_offsets_meta(name: str, cu) -> None:

@@ -185,3 +185,31 @@ def test_infinite_decay_is_finite_like_the_recurrent_path(gate, value):
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert_close("o", ro, o, 1e-10)
     assert_close("final_state", rht, ht, 1e-10)
+
+
+def test_resets_in_float32_keep_float32_accuracy(monkeypatch):
+    # -inf log-decays (resets) at a few positions in fp32: the final state and every gradient within the fp32
+    # tolerance of the float64 definition. Flooring -inf at -1e4 and differencing the chunk cumsum in float32
+    # there (a rounding step of ~1e-3) put them 2e-4..5e-4 off; the same entries at -30 were ~1e-6.
+    monkeypatch.setenv("KDAKIT_BACKEND", "torch")
+    inp = make_kda_inputs(T=64, H=1, HV=2, K=16, V=16, dtype=torch.float32, gate="none", initial_state="kv",
+                          generator=torch.Generator().manual_seed(0))
+    g = inp["tensors"]["g"].detach().clone()
+    g[:, [9, 23, 40, 57]] = float("-inf")  # all channels of both value heads: each chunk of 16 holds one
+    inp["tensors"]["g"] = g.requires_grad_()
+    got = compare_with_naive(chunk_kda, inp, 1e-5)
+    assert torch.equal(got["dg"][:, [9, 23, 40, 57]], torch.zeros_like(got["dg"][:, [9, 23, 40, 57]]))
+
+
+def test_log_decay_floor_is_the_triton_kernels_rule():
+    from kdakit.ops.kda import chunk_common
+    from kdakit.ops.kda.preprocess import LOG_DECAY_FLOOR, floor_log_decay
+
+    assert chunk_common.LOG_DECAY_FLOOR is LOG_DECAY_FLOOR == -110.0  # one constant for both backends
+    a = torch.tensor([float("-inf"), -1000.0, -110.0, -109.5, float("nan"), -0.5], requires_grad=True)
+    out = floor_log_decay(a)
+    want = torch.tensor([-110.0, -110.0, -110.0, -109.5, float("nan"), -0.5])
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out[~want.isnan()], want[~want.isnan()])
+    out.backward(torch.ones_like(out))
+    # 0 where the floor holds (a <= floor, as the kernels' gate_log_decay_bwd_floored), 1 elsewhere, NaN included
+    assert torch.equal(a.grad, torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0]))

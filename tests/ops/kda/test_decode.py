@@ -291,6 +291,24 @@ def test_decode_rejects_bad_arguments(backend, mutation, exc, pattern):
     assert torch.equal(a["pool"], snapshot), "a failing call modified the pool"
 
 
+def test_decode_refuses_float64_on_the_triton_backend(monkeypatch):
+    # the kernel used to compute float64 tokens in fp32; the PyTorch path computes them in float64
+    t, kw, a = _bad(lambda a: None)
+    t = {n: x.double() for n, x in t.items()}
+    snapshot = a["pool"].clone()
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    with pytest.raises(TypeError, match=r"^q must be float16, bfloat16 or float32 for the Triton kernels, "
+                                        r"got torch.float64; use KDAKIT_BACKEND=torch for float64$"):
+        _decode(t, kw, a["pool"], a["idx"])
+    assert torch.equal(a["pool"], snapshot), "a failing call modified the pool"
+    monkeypatch.setenv("KDAKIT_BACKEND", "torch")
+    o = _decode(t, kw, a["pool"], a["idx"])
+    ref_o, ref_final = _naive(t, kw, snapshot[a["idx"].long()])
+    assert o.dtype == torch.float64
+    assert_close("o", ref_o, o, 1e-12)
+    assert_close("rows", ref_final, a["pool"][a["idx"].long()], 1e-6)  # the pool keeps its fp32
+
+
 def test_decode_rejects_a_pool_on_another_device(backend):
     t, kw, a = _bad(lambda a: None)
     with pytest.raises(ValueError, match="^state_pool must be on q's device cpu, got meta"):

@@ -129,6 +129,38 @@ def test_torch_backend_is_the_naive_recurrence(monkeypatch):
         assert torch.equal(got[name], ref[name]), name
 
 
+# --- float64: computed by the PyTorch backend, refused by the Triton kernels (they compute in fp32) --
+
+def _fp64_refused(name):
+    return (rf"^{name} must be float16, bfloat16 or float32 for the Triton kernels, got torch.float64; "
+            r"use KDAKIT_BACKEND=torch for float64$")
+
+
+def test_float64_is_refused_on_the_triton_backend(triton_backend):
+    # the kernels used to compute float64 inputs in fp32 and return float64 tensors without a word
+    inp = _inputs(32, B=1, T=4, H=1, HV=2, K=8, V=8, gate="softplus", initial_state="kv", dtype=torch.float64)
+    with pytest.raises(TypeError, match=_fp64_refused("q")):
+        run_kda(fused_recurrent_kda, inp, seed=SEED)
+    inp = _inputs(32, B=1, T=4, H=1, HV=2, K=8, V=8, gate="softplus", initial_state="kv")
+    inp["tensors"]["initial_state"] = inp["tensors"]["initial_state"].detach().double().requires_grad_()
+    with pytest.raises(TypeError, match=_fp64_refused("initial_state")):
+        run_kda(fused_recurrent_kda, inp, seed=SEED)
+
+
+@pytest.mark.parametrize("which", ["q", "do", "dht"])
+def test_float64_is_refused_by_the_triton_backward(triton_backend, which):
+    pos, named = _direct_args(_inputs(33, B=1, T=4, H=1, HV=2, K=8, V=8, gate="softplus", initial_state="kv"))
+    pos = list(pos)
+    if which == "q":
+        pos[:5] = [x.double() for x in pos[:5]]
+        named = {n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in named.items()}
+    else:
+        i = 5 if which == "do" else 6
+        pos[i] = pos[i].double()
+    with pytest.raises(TypeError, match=_fp64_refused(which)):
+        recurrent_kda_backward(*pos, **named)
+
+
 # --- recurrent_kda_backward: direct calls, out=, workspace, determinism -----------------------
 
 def _direct_args(inp, seed=SEED):

@@ -288,6 +288,22 @@ def test_rejects_bad_arguments(backend, case):
         assert torch.equal(pool, snapshot), "a failing call modified the pool"
 
 
+def test_float64_pool_is_refused_on_the_triton_backend(backend):
+    # the kernel used to read and write a float64 pool through fp32 math; the PyTorch path computes float64
+    t, kw = _tokens(27, N=2, T=1)
+    pool = _pool(28, 4, False, torch.float64)
+    snapshot = pool.clone()
+    if backend == "triton":
+        with pytest.raises(TypeError, match=r"^initial_state must be float16, bfloat16 or float32 for the Triton "
+                                            r"kernels, got torch.float64; use KDAKIT_BACKEND=torch for float64$"):
+            _run(t, kw, pool, ssm_state_indices=_i32([2, 0]), inplace_final_state=True)
+        assert torch.equal(pool, snapshot), "a failing call modified the pool"
+        return
+    _run(t, kw, pool, ssm_state_indices=_i32([2, 0]), inplace_final_state=True)
+    _, ref_final = _naive(t, kw, snapshot[[2, 0]], False)
+    assert_close("rows", ref_final, pool[[2, 0]], 1e-6)
+
+
 def test_unchecked_indices_are_not_read_on_the_host(backend):
     """check_indices=False skips the host read; entries inside the pool still give the checked result."""
     t, kw = _tokens(25, N=2, T=1)
