@@ -81,7 +81,7 @@ import torch.nn.functional as F
 from kdakit.nn.cache import KDACache, read_layer_state
 from kdakit.nn.gated_norm import GatedRMSNorm
 from kdakit.nn.short_conv import ShortConvolution
-from kdakit.ops.kda.chunk.api import chunk_kda
+from kdakit.ops.kda.chunk.api import PIPELINES, chunk_kda
 from kdakit.ops.kda.decode import kda_decode
 from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
 from kdakit.ops.kda.state_pool import padded_row_writes
@@ -124,6 +124,8 @@ class KimiDeltaAttention(nn.Module):
         conv_bias: give the convolutions a bias.
         layer_idx: the layer's index in a model (kept for FLA compatibility; unused here).
         norm_eps: epsilon of the gated output RMSNorm.
+        pipeline: kdakit extension: the Triton chunk pipeline of ``mode="chunk"`` (``kdakit.chunk_kda``'s
+            ``pipeline``: None, "windowed16", "chunk64" or "chunk64_fast").
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class KimiDeltaAttention(nn.Module):
         conv_bias: bool = False,
         layer_idx: int | None = None,
         norm_eps: float = 1e-5,
+        pipeline: str | None = None,
     ):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("head_dim", head_dim), ("num_heads", num_heads),
@@ -175,6 +178,8 @@ class KimiDeltaAttention(nn.Module):
             raise TypeError(f"layer_idx must be an int or None, got {type(layer_idx).__name__}")
         if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0:
             raise ValueError(f"norm_eps must be a positive float, got {norm_eps!r}")
+        if pipeline not in PIPELINES:
+            raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
 
         self.hidden_size = hidden_size
         self.expand_v = expand_v
@@ -190,6 +195,7 @@ class KimiDeltaAttention(nn.Module):
         self.conv_size = conv_size
         self.conv_bias = conv_bias
         self.layer_idx = layer_idx
+        self.pipeline = pipeline
         self.key_dim = num_heads * head_dim
         self.value_dim = num_v_heads * self.head_v_dim
         self.gate_dim = num_v_heads * head_dim
@@ -529,7 +535,7 @@ class KimiDeltaAttention(nn.Module):
         if self.mode == "chunk":
             # the layer has checked state_indices (or was told not to): the op does not read them again
             return chunk_kda(q, k, v, g, beta, safe_gate=self.safe_gate, state_indices=state_indices,
-                             check_indices=False, **common)
+                             check_indices=False, pipeline=self.pipeline, **common)
         return fused_recurrent_kda(q, k, v, g, beta, **common)
 
     def _gate_inputs(self, x):

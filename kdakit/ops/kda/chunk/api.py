@@ -15,6 +15,7 @@ the device (``state_pool.py``), so such a call captures in a plain ``torch.cuda.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -22,12 +23,17 @@ import torch
 from kdakit.distributed.cp import chunk_kda_cp
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.chunk_reference import chunked_kda_reference, chunked_kda_reference_states
+from kdakit.ops.kda.chunk.autograd import chunk64_kda
 from kdakit.ops.kda.chunk_triton import chunk_kda_triton, chunk_kda_triton_states
 from kdakit.ops.kda.compiled import chunk_kda_via_op
 from kdakit.ops.kda.state_pool import gather_pool_rows, scatter_pool_rows, zero_padded_outputs
 from kdakit.ops.kda.options import kda_options
 from kdakit.ops.kda.validate import check_state_pool
 from kdakit.ops.kda.workspace import check_capturable_offsets, is_capturing
+
+# The Triton chunk pipelines a call may name (``pipeline``), and the 64-token ones' default windows in tokens.
+PIPELINES = (None, "windowed16", "chunk64", "chunk64_fast")
+CHUNK64_WINDOW = {"chunk64": 1024, "chunk64_fast": 2048}
 
 # FLA 0.6.0 options kdakit does not implement; each raises if set to a non-default value.
 _UNSUPPORTED_FLA_OPTIONS = {
@@ -65,6 +71,7 @@ def chunk_kda(
     dt_bias: torch.Tensor | None = None,
     chunk_size: int | None = None,
     checkpoint_every_n_tokens: int | None = None,
+    pipeline: str | None = None,
     state_indices: torch.Tensor | None = None,
     transpose_state_layout: bool | None = None,
     check_indices: bool = True,
@@ -112,6 +119,14 @@ def chunk_kda(
         chunk_size: chunk length of the PyTorch path (16, 32 or 64; default 16). The Triton
             kernels use 16-token chunks and raise for another value. The result does not
             depend on it beyond round-off.
+        pipeline: which Triton chunk pipeline runs (CUDA tensors; the PyTorch path ignores it):
+            ``None`` or ``"windowed16"``: 16-token forward and windowed backward, peak within 1.10x of the memory
+            floor (slow with an unbounded gate); ``"chunk64"``: the 64-token pipeline, whose backward recomputes
+            each window of ``checkpoint_every_n_tokens`` tokens (default 1024); ``"chunk64_fast"``: the same with
+            the forward's per-chunk intermediates kept for the backward (about 2.4 KB per token and value head
+            at K = V = 128 in bf16; backward windows of ``checkpoint_every_n_tokens``, default 2048). The two
+            64-token pipelines take any gate and strided token views (unit last stride), not
+            ``return_intermediate_states``. docs/perf_notes.md has their measured speed and memory.
         checkpoint_every_n_tokens: cadence of the state checkpoints saved for backward, a
             positive multiple of 16 (and of ``chunk_size``); None lets the plan choose (see
             ``kdakit.plan_kda``).
@@ -132,7 +147,13 @@ def chunk_kda(
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (float64
         for float64 inputs) or None. With return_intermediate_states, ``(o, final_state, h)``.
     """
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+    chunk64 = pipeline in ("chunk64", "chunk64_fast")
     if torch.compiler.is_compiling():
+        if pipeline is not None:
+            raise ValueError(f"pipeline={pipeline!r} is not yet registered as a custom op for torch.compile; "
+                             "pass pipeline=None under torch.compile")
         # torch.compile traces the registered op torch.ops.kdakit.chunk_kda, not this Python (compiled.py)
         return chunk_kda_via_op(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -154,8 +175,13 @@ def chunk_kda(
         state_v_first = bool(transpose_state_layout)
     if chunk_size is not None and chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+    if chunk64 and chunk_size not in (None, 64):
+        raise ValueError(f"pipeline={pipeline!r} runs 64-token chunks: chunk_size must be None or 64, got {chunk_size}")
+    if chunk64 and return_intermediate_states:
+        raise ValueError(f"return_intermediate_states is served by pipeline=None or 'windowed16', got "
+                         f"pipeline={pipeline!r}")
     if checkpoint_every_n_tokens is not None:
-        unit = max(16, chunk_size or 16)
+        unit = 64 if chunk64 else max(16, chunk_size or 16)
         if isinstance(checkpoint_every_n_tokens, bool) or not isinstance(checkpoint_every_n_tokens, int) \
                 or checkpoint_every_n_tokens <= 0 or checkpoint_every_n_tokens % unit:
             raise ValueError(f"checkpoint_every_n_tokens must be a positive multiple of {unit} or None, "
@@ -168,7 +194,7 @@ def chunk_kda(
         raise ValueError("return_intermediate_states does not combine with cp_context, got both")
     if cp_context is not None:
         return chunk_kda_cp(
-            q, k, v, g, beta, local_op=chunk_kda, cp_context=cp_context, scale=scale, initial_state=initial_state,
+            q, k, v, g, beta, local_op=functools.partial(chunk_kda, pipeline=pipeline), cp_context=cp_context, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu, state_indices=state_indices, use_gate_in_kernel=use_gate_in_kernel,
             A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -202,12 +228,16 @@ def chunk_kda(
         initial_state, valid = gather_pool_rows(pool, state_indices, host)
     tensors = dict(A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu_seqlens)
     backend = select_backend(q.device)
-    if backend == "triton" and chunk_size not in (None, 16):
+    if backend == "triton" and not chunk64 and chunk_size not in (None, 16):
         raise ValueError(f"chunk_size={chunk_size} is for the PyTorch path; the Triton kernels use 16-token chunks "
                          "(pass None or 16)")
     h = None
     if backend == "triton":
-        if return_intermediate_states:
+        if chunk64:
+            window = checkpoint_every_n_tokens or CHUNK64_WINDOW[pipeline]
+            o, final = chunk64_kda(q, k, v, g, beta, **tensors, opts=opts, window_tokens=window,
+                                   keep_intermediates=pipeline == "chunk64_fast")
+        elif return_intermediate_states:
             o, final, h = chunk_kda_triton_states(q, k, v, g, beta, **tensors, opts=opts)
         else:
             o, final = chunk_kda_triton(q, k, v, g, beta, **tensors,
@@ -220,7 +250,8 @@ def chunk_kda(
             tensors["cu_seqlens"] = cu_seqlens_cpu
         reference = chunked_kda_reference_states if return_intermediate_states else chunked_kda_reference
         res = reference(q, k, v, g, beta, **tensors, output_final_state=opts.output_final_state, chunk_size=chunk_size,
-                        checkpoint_every_n_tokens=checkpoint_every_n_tokens, **opts.reference_kwargs())
+                        checkpoint_every_n_tokens=None if chunk64 else checkpoint_every_n_tokens,
+                        **opts.reference_kwargs())
         o, final, h = res if return_intermediate_states else (*res, None)
     if pool is not None:
         scatter_pool_rows(pool, final, state_indices, valid, host)

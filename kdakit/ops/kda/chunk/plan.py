@@ -8,6 +8,7 @@ to the device once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -59,9 +60,21 @@ class ChunkPlan:
         return len(self.window_rows)
 
 
-def make_chunk_plan(B: int, T: int, seqlens: list[int] | None, device, window_tokens: int | None = None) -> ChunkPlan:
+def make_chunk_plan(B: int, T: int, seqlens, device, window_tokens: int | None = None) -> ChunkPlan:
     """The plan of a call with B x T tokens (``seqlens``: packed lengths, B == 1). ``window_tokens``: the
-    window's length, a positive multiple of CHUNK (None: one window holding every chunk)."""
+    window's length, a positive multiple of CHUNK (None: one window holding every chunk).
+
+    Memoized by the call's geometry, so that a CUDA-graph capture after an eager warm call of the same shape
+    copies nothing to the device."""
+    if window_tokens is not None and (isinstance(window_tokens, bool) or not isinstance(window_tokens, int)
+                                      or window_tokens <= 0 or window_tokens % CHUNK):
+        raise ValueError(f"window_tokens must be a positive multiple of {CHUNK} or None, got {window_tokens!r}")
+    key = None if seqlens is None else tuple(int(x) for x in seqlens)
+    return _plan(int(B), int(T), key, str(torch.device(device)), window_tokens)
+
+
+@lru_cache(maxsize=64)
+def _plan(B: int, T: int, seqlens: tuple | None, device: str, window_tokens: int | None) -> ChunkPlan:
     lengths = [T] * B if seqlens is None else [int(x) for x in seqlens]
     starts, acc = [], 0
     for n, length in enumerate(lengths):
@@ -69,12 +82,7 @@ def make_chunk_plan(B: int, T: int, seqlens: list[int] | None, device, window_to
         acc += length
     n_chunks = [-(-length // CHUNK) for length in lengths]
     most = max(n_chunks, default=0)
-    if window_tokens is None:
-        wc = max(most, 1)
-    else:
-        if window_tokens <= 0 or window_tokens % CHUNK:
-            raise ValueError(f"window_tokens must be a positive multiple of {CHUNK}, got {window_tokens}")
-        wc = window_tokens // CHUNK
+    wc = max(most, 1) if window_tokens is None else window_tokens // CHUNK
     n_windows = max(-(-most // wc), 1)
     rows, window_rows, seq_rows = [], [], []
     for w in range(n_windows):
