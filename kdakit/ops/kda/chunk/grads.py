@@ -57,7 +57,7 @@ from kdakit.ops.kda.options import KDAOptions
 # inputs), whose split halves need more registers; 4 warps each (sm_90a, K = V = 128: no spills, <= 255 registers)
 GRADS_WY_NUM_WARPS = 4
 GRADS_WY_NUM_STAGES = 3
-GRADS_WY_DV_NUM_STAGES = 2
+GRADS_WY_DV_STAGES = {"bf16": 2, "fp32": 1}  # chunk_grads_wy_dv_kernel (fp32 operands spill at 2 stages)
 GRADS_WY_BLOCKS = {"bf16": (32, 32), "fp32": (32, 32)}  # chunk_grads_wy_kernel: a program's key block, V step
 # (bf16 at (32, 64) and 4 warps built without spills but faulted on the H200: out-of-range shared address)
 GRADS_WY_DV_BLOCKS = {"bf16": (64, 128), "fp32": (64, 32)}  # chunk_grads_wy_dv_kernel: inner K step, V step
@@ -290,5 +290,5 @@ def run_grads_wy(opts: KDAOptions, table, q, k, v, do, gc, bt, rq, rk, tinv, w, 
         table, k, v, gc, bt, rk, tinv, dvs, h, dv, dbs, dakk,
         *k.stride()[:3], *v.stride()[:3], *dv.stride()[:3], H, HV,
         K=K, V=V, C=C, BK=BK, BV=BV, GRAD_OP=grad_op, GRAD_PREC=grad_prec,
-        num_warps=GRADS_WY_NUM_WARPS, num_stages=GRADS_WY_DV_NUM_STAGES,
+        num_warps=GRADS_WY_NUM_WARPS, num_stages=GRADS_WY_DV_STAGES[kind],
     )

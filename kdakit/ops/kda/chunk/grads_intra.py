@@ -64,7 +64,7 @@ from kdakit.ops.kda.options import KDAOptions
 # sm_90a at K = 128: 220-248 registers, no spills, for the four variants (SAFE x bf16 / fp32 operands); at 1 or
 # 2 warps the same [16, 32] tiles spill (the dots' operand layouts and the per-token vectors dominate, not the
 # tiles), and BK = 64 at 4 warps spills with fp32 operands.
-GRADS_INTRA_NUM_WARPS = 2
+GRADS_INTRA_NUM_WARPS = {"bf16": 2, "fp32": 4}  # by operand kind (fp32 operands spill at 2 warps)
 GRADS_INTRA_NUM_STAGES = 1
 GRADS_INTRA_BLOCK_K = 32  # K-loop step: the [16, BK] accumulators dq, dkr, dkt, dg live with the sub-chunk's G
 
@@ -356,5 +356,5 @@ def run_grads_intra(opts: KDAOptions, table, q, k, gc, bt, rq, rk, daqk, dakk, d
         *q.stride()[:3], *k.stride()[:3], float(opts.scale), H, HV,
         K=K, BK=min(GRADS_INTRA_BLOCK_K, block_size(K)), C=C, SUBC=SUB, SAFE=bool(opts.safe),
         OP_BF16=op_bf16, EMULATE_BF16=op_bf16 and triton_interpreting(), DOT_PREC=dot_precision(q.dtype),
-        num_warps=GRADS_INTRA_NUM_WARPS, num_stages=GRADS_INTRA_NUM_STAGES,
+        num_warps=GRADS_INTRA_NUM_WARPS["bf16" if op_bf16 else "fp32"], num_stages=GRADS_INTRA_NUM_STAGES,
     )

@@ -49,7 +49,10 @@ DIAG_BLOCK_H = 16  # value heads per token-parallel program ([BH, BK] tiles)
 DIAG_NUM_WARPS = 4
 SOLVE_BLOCK_K = 32  # key channels per step of the off-diagonal dots, 16-bit inputs (bf16 operands)
 SOLVE_BLOCK_K_FP32 = 16  # fp32 inputs (3xTF32 operands: 32 takes 238 sm_90a registers, 16 takes 180)
-SOLVE_NUM_WARPS = 2
+SOLVE_NUM_WARPS = {"bf16": 2, "fp32": 4}  # by operand kind
+# The bf16 solve kernel keeps a small spill at 2 warps (sm_90a ptxas: ~300 B): on the H200 at 1 x 8K H96 it ran
+# 0.94 ms a call against 1.44 at 4 warps without spills (benchmarks/results/dev_tune64_softplus_h200*.json).
+SOLVE_SPILL_BUDGET = {"bf16": 320, "fp32": 0}  # bytes of spill stores + loads the build test allows
 
 
 def solve_block_k(op_bf16: bool, BK: int) -> int:
@@ -405,5 +408,5 @@ def run_intra(opts, table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv) -> None:
         table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv, opts.scale, *strides, H, HV,
         K=K, BK=solve_block_k(op_bf16, BK), C=C, SB=SUB, OP_BF16=op_bf16, EMULATE_BF16=op_bf16 and interp,
         DOT_PREC=dot_precision(q.dtype), INV_PREC=dot_precision(torch.float32), ROUND=round_out,
-        num_warps=SOLVE_NUM_WARPS, num_stages=1,
+        num_warps=SOLVE_NUM_WARPS["bf16" if op_bf16 else "fp32"], num_stages=1,
     )

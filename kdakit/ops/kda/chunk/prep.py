@@ -39,12 +39,11 @@ from kdakit.ops.kda.chunk_common import (
 )
 from kdakit.ops.kda.options import KDAOptions
 
-# Launch configs. prep: [C, PREP_BLOCK_K] fp32 tiles (gate, cumsum); wu: one [C, C] x [C, WU_BLOCK] dot per
+# Launch configs. prep: [C, PREP_BLOCK_K] fp32 tiles (gate, cumsum); wu: one [C, C] x [C, BK] dot per
 # output block, Tinv held as a dot operand across the blocks.
 PREP_BLOCK_K = 32
 PREP_NUM_WARPS = 4
-WU_BLOCK = 64  # BK and BV of the wu kernel
-WU_NUM_WARPS = 8
+WU_CONFIG = {"bf16": (64, 8), "fp32": (32, 4)}  # the wu kernel's (BK = BV, warps) by operand kind
 
 
 # ---------------------------------------------------------------------------------------
@@ -315,12 +314,13 @@ def run_wu(opts: KDAOptions, table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd)
     if n == 0:
         return
     op_bf16 = dt != torch.float32
+    kind = "bf16" if op_bf16 else "fp32"
     chunk_wu_kernel[(n, HV)](
         table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd,
         *token_strides(q), *token_strides(k), *token_strides(v),
         H,
-        HV=HV, K=K, V=V, C=CHUNK, BK=min(WU_BLOCK, block_size(K)), BV=min(WU_BLOCK, block_size(V)), GROUP=group,
+        HV=HV, K=K, V=V, C=CHUNK, BK=min(WU_CONFIG[kind][0], block_size(K)), BV=min(WU_CONFIG[kind][0], block_size(V)), GROUP=group,
         OP_BF16=op_bf16, EMULATE_BF16=op_bf16 and triton_interpreting(),
         INTERPRETED=triton_interpreting(), DOT_PREC=dot_precision(dt),
-        num_warps=WU_NUM_WARPS, num_stages=1,
+        num_warps=WU_CONFIG[kind][1], num_stages=1,
     )

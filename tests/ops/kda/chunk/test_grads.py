@@ -239,7 +239,9 @@ def build(variant):
     src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                     constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
     kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=M.GRADS_WY_NUM_WARPS, num_stages=M.GRADS_WY_NUM_STAGES))
+                          options=dict(num_warps=M.GRADS_WY_NUM_WARPS,
+                                       num_stages=M.GRADS_WY_NUM_STAGES if name == "chunk_grads_wy_kernel"
+                                       else M.GRADS_WY_DV_STAGES["bf16" if gop == 1 else "fp32"]))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")

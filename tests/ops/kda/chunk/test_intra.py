@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kdakit.ops.kda.chunk.intra import (
-    DIAG_NUM_WARPS, SOLVE_NUM_WARPS, chunk_intra_diag_kernel, chunk_intra_solve_kernel, run_intra, solve_block_k,
+    DIAG_NUM_WARPS, SOLVE_NUM_WARPS, SOLVE_SPILL_BUDGET, chunk_intra_diag_kernel, chunk_intra_solve_kernel, run_intra, solve_block_k,
 )
 from kdakit.ops.kda.chunk.plan import chunk_table, chunk_table_rows
 from kdakit.ops.kda.chunk.tiles import CHUNK, SUB
@@ -253,7 +253,7 @@ for tok in ("bf16", "fp32"):  # fp16 builds the bf16 code (bf16 operands) on fp1
     build(M.chunk_intra_solve_kernel, dict(K=128, BK=M.solve_block_k(tok != "fp32", 128), C=64, SB=16,
                                            OP_BF16=tok != "fp32", EMULATE_BF16=False,
                                            DOT_PREC="tf32x3" if tok == "fp32" else "tf32", INV_PREC="tf32x3",
-                                           ROUND=False), M.SOLVE_NUM_WARPS, tok)
+                                           ROUND=False), M.SOLVE_NUM_WARPS["fp32" if tok == "fp32" else "bf16"], tok)
 """
 
 
@@ -264,8 +264,9 @@ def test_kernels_build_for_sm90_without_spills():
     lines = [line.split() for line in out.strip().splitlines()]
     assert len(lines) == 4, out
     for name, tok, warps, regs, spill in lines:
-        assert int(warps) in (DIAG_NUM_WARPS, SOLVE_NUM_WARPS) and int(warps) <= 4
-        assert int(spill) == 0, f"{name} {tok}: {spill} bytes of spill"
+        assert int(warps) in (DIAG_NUM_WARPS, *SOLVE_NUM_WARPS.values()) and int(warps) <= 4
+        budget = SOLVE_SPILL_BUDGET[tok] if name == chunk_intra_solve_kernel.__name__ else 0
+        assert int(spill) <= budget, f"{name} {tok}: {spill} bytes of spill (budget {budget})"
         assert int(regs) <= 255, f"{name} {tok}: {regs} registers"
     assert {line[0] for line in lines} == {chunk_intra_diag_kernel.__name__, chunk_intra_solve_kernel.__name__}
     assert solve_block_k(True, 128) >= 16

@@ -371,8 +371,9 @@ for gate, has_a, has_b, l2, sig, neg, group in ((0, False, False, False, False, 
           P.PREP_NUM_WARPS, unaligned)
 for dt, prec in (("*bf16", "tf32"), ("*fp16", "tf32"), ("*fp32", "tf32x3")):
     t = dict(types, **{n: dt for n in tok})
-    build(P.chunk_wu_kernel, t, dict(HV=96, K=128, V=128, C=64, BK=P.WU_BLOCK, BV=P.WU_BLOCK, GROUP=1,
-          OP_BF16=dt != "*fp32", EMULATE_BF16=False, INTERPRETED=False, DOT_PREC=prec), P.WU_NUM_WARPS)
+    blk, warps = P.WU_CONFIG["fp32" if dt == "*fp32" else "bf16"]
+    build(P.chunk_wu_kernel, t, dict(HV=96, K=128, V=128, C=64, BK=blk, BV=blk, GROUP=1,
+          OP_BF16=dt != "*fp32", EMULATE_BF16=False, INTERPRETED=False, DOT_PREC=prec), warps)
 '''
 
 
