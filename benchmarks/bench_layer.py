@@ -12,7 +12,7 @@ kdakit's figures come with the floor of tests/gpu/nn/test_nn_layer_gpu.py (the o
 less O, the pre-conv q/k/v, the f_proj bottleneck, y and dx).
 
 Usage: python benchmarks/bench_layer.py --out results/layer.json [--tokens 131072]
-       [--backends kdakit,fla] [--runs 5] [--warmup 2] [--timeout 500]
+       [--backends kdakit,kdakit_chunk64,kdakit_chunk64_fast,fla] [--runs 5] [--warmup 2] [--timeout 500]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from timing import median_ms  # noqa: E402
 CONFIG = dict(hidden_size=2048, expand_v=1, head_dim=128, num_heads=16, layer_idx=0)
 GIB = 2.0 ** 30
+BACKENDS = ("kdakit", "kdakit_chunk64", "kdakit_chunk64_fast", "fla")
 
 
 def layer_floor(layer, T) -> dict:
@@ -51,13 +52,16 @@ def layer_floor(layer, T) -> dict:
 def worker(backend: str, T: int, runs: int, warmup: int) -> dict:
     import torch
 
-    if backend == "kdakit":
+    extra = {}
+    if backend.startswith("kdakit"):
         sys.path.insert(0, ROOT)
         from kdakit.nn import KimiDeltaAttention
+        if backend != "kdakit":  # kdakit_chunk64, kdakit_chunk64_fast: chunk_kda's pipeline option
+            extra["pipeline"] = backend[len("kdakit_"):]
     else:
         from fla.layers.kda import KimiDeltaAttention
     torch.manual_seed(0)
-    layer = KimiDeltaAttention(**CONFIG).to("cuda").bfloat16()
+    layer = KimiDeltaAttention(**CONFIG, **extra).to("cuda").bfloat16()
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(1, T, CONFIG["hidden_size"], device="cuda", generator=gen).bfloat16().requires_grad_()
     dy = torch.randn(x.shape, device="cuda", generator=gen).bfloat16()
@@ -108,8 +112,8 @@ def main(argv=None) -> int:
         ap.error("--out is required")
     backends = [b for b in args.backends.split(",") if b]
     for b in backends:
-        if b not in ("kdakit", "fla"):
-            ap.error(f"--backends: expected kdakit and/or fla, got {b!r}")
+        if b not in BACKENDS:
+            ap.error(f"--backends: expected some of {BACKENDS}, got {b!r}")
     results = []
     for b in backends:
         t0 = time.time()
@@ -129,15 +133,16 @@ def main(argv=None) -> int:
         print(json.dumps(rec), flush=True)
     by = {r["backend"]: r for r in results if "error" not in r}
     summary = {}
-    if "kdakit" in by and "fla" in by:
-        a, f = by["kdakit"], by["fla"]
-        summary = {k + "_kdakit_over_fla": a[k] / f[k] for k in ("peak_alloc_gib", "peak_reserved_gib",
-                                                                   "fwd_ms", "fwd_bwd_ms")}
+    for name in BACKENDS[:-1]:
+        if name in by and "fla" in by:
+            a, f = by[name], by["fla"]
+            summary |= {f"{k}_{name}_over_fla": a[k] / f[k] for k in ("peak_alloc_gib", "peak_reserved_gib",
+                                                                       "fwd_ms", "fwd_bwd_ms")}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump({"results": results, "summary": summary}, fh, indent=2)
     print(f"wrote {args.out}")
-    return 0 if all("error" not in r for r in results if r["backend"] == "kdakit") else 1
+    return 0 if all("error" not in r for r in results if r["backend"].startswith("kdakit")) else 1
 
 
 if __name__ == "__main__":
