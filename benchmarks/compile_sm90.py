@@ -1,11 +1,12 @@
-"""Build Triton kernels for sm_90a without a GPU and print registers and spills: the 64-token pipeline's,
-(``--only lean``) the default backward's stage 2 from the window's intermediates and (``--only window``)
+"""Build Triton kernels for sm_90a without a GPU and print registers and spills: (``--only lean``) the default
+backward's stage 2 from the window's intermediates and the 16-token forward's intra kernel, and (``--only window``)
 its stage 3, the window gradients, on the safe and the EXACT gate paths at the launcher's warp counts.
 A build that ptxas -O3 gives 32 registers with KBs of spill code is its fallback allocation (the EXACT
 path at 4 warps: 32 registers, 17 KB; the H200 ran it at 2.25 ms a 16-token program).
 
-Usage: python benchmarks/compile_sm90.py [--warps-grads N] [--warps-states N] [--warps-prep N]
-(no TRITON_INTERPRET). The docs/spec.md §3 flags at K = V = 128, bf16: what the H200 will run.
+Usage: python benchmarks/compile_sm90.py [--only lean,window] (no TRITON_INTERPRET). The docs/spec.md §3 flags
+at K = V = 128, bf16: what the H200 will run. ``build`` is also imported by tests (test_chunk_triton_bwd.py,
+test_nan_semantics_sm90.py).
 """
 import argparse
 import os
@@ -17,12 +18,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import kdakit.ops.kda.chunk_bwd64 as M
 import kdakit.ops.kda.chunk_bwd_windowed as WG
 import kdakit.ops.kda.chunk_bwd_states as LS
 import kdakit.ops.kda.chunk_fwd as F16
-import kdakit.ops.kda.chunk_fwd64 as F
-import kdakit.ops.kda.chunk_prep64 as P
 
 TOK = {"q", "k", "v", "g", "beta", "do", "o", "u", "dq", "dk", "dv", "dg", "dbeta", "tinv", "hs", "dhs", "w", "kd", "aqk",
        "akk", "qg", "ckpt", "ws_s", "ws_ds", "uo", "ws_aqk"}
@@ -75,45 +73,9 @@ def build(fn, const, warps, stages=1):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--warps-grads", type=int, default=M.GRADS_NUM_WARPS)
-    ap.add_argument("--warps-states", type=int, default=M.STATES_NUM_WARPS)
-    ap.add_argument("--warps-prep", type=int, default=P.PREP_NUM_WARPS)
-    ap.add_argument("--safe", type=int, default=1)
-    ap.add_argument("--only", default="prep,states,grads,pair,fwd,intra")
-    ap.add_argument("--warps-pair", type=int, default=M.PAIR_NUM_WARPS)
-    ap.add_argument("--states-bv", type=int, default=M.STATES_BLOCK_V)
-    ap.add_argument("--warps-fwd", type=int, default=F.STATE_NUM_WARPS)
-    ap.add_argument("--fwd-bv", type=int, default=F.STATE_BLOCK_V)
-    ap.add_argument("--fwd-stages", type=int, default=F.STATE_NUM_STAGES)
-    ap.add_argument("--warps-pair64", type=int, default=F.PAIR_NUM_WARPS)
-    ap.add_argument("--refs-reshape", type=int, default=int(F.PAIR_REFS_BY_RESHAPE))
-    ap.add_argument("--warps-solve", type=int, default=F.SOLVE_NUM_WARPS)
-    ap.add_argument("--warps-wu", type=int, default=F.WU_NUM_WARPS)
-    ap.add_argument("--intra-bk", type=int, default=F.INTRA_BLOCK_K)
+    ap.add_argument("--only", default="lean,window")
     a = ap.parse_args()
-    c = dict(K=128, V=128, C=64, GATE=2, HAS_A_LOG=True, HAS_BIAS=True, USE_L2NORM=True, BETA_SIGMOID=True,
-             NEG_EIGVAL=False, IS_VARLEN=True, OP_BF16=True, EMULATE_BF16=False, DOT_PREC="tf32")
     only = a.only.split(",")
-    if "prep" in only:
-        build(P.chunk_kda_prep64_kernel, dict(c, SUBC=16, BK=128, BV=128, BKS=16, SAFE=bool(a.safe)),
-                                              a.warps_prep)
-    if "states" in only:
-        sc = {n: c[n] for n in ("K", "V", "C", "BETA_SIGMOID", "NEG_EIGVAL", "IS_VARLEN", "OP_BF16", "EMULATE_BF16",
-                                "DOT_PREC")}
-        build(M.chunk_kda_bwd_states_kernel, dict(sc, BK=128, BV=a.states_bv, HAS_H0=False, HAS_DHT=False,
-                                                  STORE_DH0=False, LOOP_WHILE=False), a.warps_states)
-    if "fwd" in only:
-        fc = {n: c[n] for n in ("K", "V", "C", "IS_VARLEN", "OP_BF16", "EMULATE_BF16", "DOT_PREC")}
-        build(F.chunk_kda_fwd64_state_kernel, dict(fc, BK=128, BV=a.fwd_bv, HAS_H0=False, STORE_HT=False,
-                                                    LOOP_WHILE=False), a.warps_fwd, a.fwd_stages)
-    if "intra" in only:
-        build(F.chunk_kda_fwd64_pair_kernel, dict({n: c[n] for n in c if n != "V"}, V=128, SUBC=16, BK=a.intra_bk,
-                                                   BKF=128, BKS=16, SAFE=bool(a.safe),
-                                                   REFS_BY_RESHAPE=bool(a.refs_reshape)), a.warps_pair64)
-        build(F.chunk_kda_fwd64_solve_kernel, dict(C=64, SUBC=16), a.warps_solve)
-        build(F.chunk_kda_fwd64_wu_kernel, dict({n: c[n] for n in ("K", "V", "C", "BETA_SIGMOID", "NEG_EIGVAL",
-                                                                 "IS_VARLEN", "OP_BF16", "EMULATE_BF16", "DOT_PREC")},
-                                               BK=a.intra_bk, BV=64), a.warps_wu)
     if "lean" in only:
         build(LS.chunk_kda_bwd_lean_starts_kernel, dict(C=16, BK=128, BV=LS.LEAN_BLOCK_V, SUB_CHUNKS=16, N_SUB=2,
                                                         IS_VARLEN=True, DOT_PREC="tf32", OP_BF16=True,
@@ -132,13 +94,7 @@ def main():
                   dict(GROUP=1, C=16, BK=128, BV=WG.GRADS_BLOCK_V, SUB_CHUNKS=16, GATE=2 if safe else 1, HAS_A=True,
                        HAS_BIAS=True, L2NORM=True, BETA_SIGMOID=True, NEG_EIGVAL=False, SAFE=safe, IS_VARLEN=True,
                        DOT_PREC="tf32", GRAD_PREC="tf32", GRAD_OP=1, INV_DOUBLING=True), warps, WG.GRADS_NUM_STAGES)
-    if "grads" in only:
-        gc = {n: c[n] for n in c if n != "SAFE"}
-        build(M.chunk_kda_bwd_state_grads_kernel, dict(gc, BK=128, BV=128, BVS=M.GRADS_BLOCK_V), a.warps_grads)
-    if "pair" in only:
-        pc = {n: c[n] for n in c if n not in ("V",)}
-        build(M.chunk_kda_bwd_pair_grads_kernel, dict(pc, SUBC=16, BK=128, BKS=16, GROUP=1, SAFE=bool(a.safe)),
-              a.warps_pair)
+
 
 if __name__ == "__main__":
     main()

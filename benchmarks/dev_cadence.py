@@ -22,9 +22,33 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dev_chunk_gpu import kernel_times, timed  # noqa: E402
 from profile_chunk import protocol_inputs  # noqa: E402
 from profile_chunk import step as protocol_step  # noqa: E402
+from timing import median_ms  # noqa: E402
+
+
+def timed(fn, reps=10, warmup=2):
+    """Median CUDA-event time of ``fn`` in ms over ``reps`` runs after ``warmup`` runs."""
+    return median_ms(fn, warmup=warmup, iters=reps, sync_each=True)
+
+
+def kernel_times(fn, runs=3) -> dict:
+    """Per-kernel CUDA time of one call of ``fn`` (torch.profiler, mean of ``runs``): name -> {calls, ms},
+    slowest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    kern = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            kern.setdefault(e.name, [0, 0.0])
+            kern[e.name][0] += 1
+            kern[e.name][1] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
+    return {k: {"calls": c // runs, "ms": round(t / runs, 4)}
+            for k, (c, t) in sorted(kern.items(), key=lambda kv: -kv[1][1])}
 
 
 def step_fn(mbs, seq, heads, cadence):

@@ -31,7 +31,7 @@
 #   end      ~3 s           chunk_vs_fla.json (protocol join + sweep join), autotune_new.json, triton_autotune.tgz
 #
 #   bash benchmarks/run_gpu.sh [STAGE ...]   stages run in the order given:
-#       env warm chunk fla sweep profile chunk64 tests recurrent flalayer devdecode ceiling layer traintiny tune tunecompile flawarm wait
+#       env warm chunk fla sweep profile tests recurrent flalayer devdecode ceiling layer traintiny tune tunecompile flawarm wait
 #       (default: env warm chunk fla sweep profile tests)
 #   env       env.json (GPU, torch, triton, CUDA, FLA, python, git sha, date)
 #   warm      the correctness gate (gate.json) in the foreground; in the background FLA's
@@ -43,8 +43,6 @@
 #   sweep     kdakit and FLA at SWEEP_SHAPES (SWEEP_PROCESS=shared|fresh, SWEEP_REPS, SWEEP_TIMING_RUNS)
 #   profile   per-kernel CUDA time of kdakit's forward and backward (profile_chunk.py, PROFILE_SHAPES;
 #             PROFILE_GATE=softplus: the unbounded gate, FLA's layer default, instead of the safe gate)
-#   chunk64   the experimental 64-token pipeline at 1x8192:96 (dev_chunk_gpu.py; CHUNK64_ARGS, default
-#             --skip-accuracy; pass "--gates safe" to add its accuracy check, ~40 s)
 #   tests     the GPU test tier (tests marked gpu; GPU_TESTS; GPU_TEST_FLAGS, default "--timeout=300": per
 #             test, with pytest-timeout, which the device has; a test's first Triton compile of new variants
 #             counts, and at 60 s the 2026-12-01 run lost six tests to it or to failures it could not tell
@@ -242,14 +240,6 @@ stage_profile() {
     return "${PIPESTATUS[0]}"
 }
 
-stage_chunk64() {
-    # the experimental 64-token pipeline (KDAKIT_CHUNK_PIPELINE=chunk64): per-kernel times and step times
-    # shellcheck disable=SC2086
-    timeout -k 5 "$1" python3 benchmarks/dev_chunk_gpu.py --out "$OUT/chunk64_dev.json" \
-        ${CHUNK64_ARGS:---skip-accuracy} 2>&1 | tee -a "$OUT/run.log"
-    return "${PIPESTATUS[0]}"
-}
-
 stage_tests() {
     # shellcheck disable=SC2086
     KDAKIT_TEST_TIER=gpu timeout -k 5 "$1" python3 -m pytest -v -m gpu -rs ${GPU_TEST_FLAGS:---timeout=300} ${GPU_TESTS:-tests/gpu} 2>&1 \
@@ -362,7 +352,7 @@ stage_wait() {
     return 0
 }
 
-declare -A DEFAULT_LIMIT=([env]=10 [warm]=160 [chunk]=100 [fla]=150 [sweep]=80 [profile]=20 [chunk64]=150 [tests]=rest
+declare -A DEFAULT_LIMIT=([env]=10 [warm]=160 [chunk]=100 [fla]=150 [sweep]=80 [profile]=20 [tests]=rest
                           [recurrent]=150 [flalayer]=300 [devdecode]=200 [ceiling]=300 [layer]=300 [traintiny]=200 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest)
 for s in "${stages[@]}"; do
     if [ -z "${DEFAULT_LIMIT[$s]+x}" ]; then

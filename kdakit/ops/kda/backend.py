@@ -14,26 +14,12 @@ import os
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
-# The Triton chunk pipeline (``KDAKIT_CHUNK_PIPELINE``): ``windowed`` (default: 16-token forward saving sparse
-# checkpoints, windowed backward, within 1.10x of the memory floor) or ``chunk64`` (experimental: 64-token
-# forward and backward with whole-sequence passes; its backward measured on the H200 as fast as the windowed
-# one was before the bf16 products, with per-chunk buffers of about 4 KB per token and value head; see
-# docs/perf_notes.md).
-CHUNK_PIPELINES = ("windowed", "chunk64")
 
 
 def requested_backend() -> str:
     value = os.environ.get("KDAKIT_BACKEND", "auto").strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"KDAKIT_BACKEND must be one of {BACKENDS}, got {value!r}")
-    return value
-
-
-def requested_chunk_pipeline() -> str:
-    """``KDAKIT_CHUNK_PIPELINE`` (see CHUNK_PIPELINES); an unknown value raises."""
-    value = os.environ.get("KDAKIT_CHUNK_PIPELINE", "windowed").strip().lower() or "windowed"
-    if value not in CHUNK_PIPELINES:
-        raise ValueError(f"KDAKIT_CHUNK_PIPELINE must be one of {CHUNK_PIPELINES}, got {value!r}")
     return value
 
 

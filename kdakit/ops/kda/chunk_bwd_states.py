@@ -42,6 +42,7 @@ from kdakit.ops.kda.backend import dot_precision, triton_interpreting
 from kdakit.ops.kda.chunk_bwd_common import CHUNK, state_program, state_strides
 from kdakit.ops.kda.chunk_common import (
     block_size,
+    dot_operand,
     load_matrix,
     load_rows,
     load_rows_native,
@@ -49,7 +50,6 @@ from kdakit.ops.kda.chunk_common import (
     store_matrix,
 )
 from kdakit.ops.kda.chunk_fwd import EXACT_KEY_SLICE, INTRA_NUM_WARPS, chunk_kda_fwd_intra_kernel
-from kdakit.ops.kda.chunk_tiles import dot_operand
 from kdakit.ops.kda.options import KDAOptions
 
 # sm_90a (compile_sm90.py --only lean): 255 registers, 128 B of spills at BV = 64 and 4 warps (role 0

@@ -87,7 +87,7 @@ def locate_chunk(i_t, cu_seqlens, chunk_table, T, NTS, C: tl.constexpr, IS_VARLE
     """Global chunk i_t -> (its sequence's first token, the sequence's length int32, the chunk's first row t0).
 
     Packed sequences read (sequence, chunk within it) from ``chunk_table`` (int32 pairs); fixed-length ones
-    hold NTS chunks each. Shared by the 16-token forward and the 64-token pipeline."""
+    hold NTS chunks each."""
     if IS_VARLEN:
         i_n = tl.load(chunk_table + 2 * i_t).to(tl.int64)
         i_c = tl.load(chunk_table + 2 * i_t + 1)
@@ -489,3 +489,17 @@ def round_to_bf16_if(x, ROUND: tl.constexpr):
     if ROUND:
         x = round_to_bf16(x)
     return x
+
+
+@triton.jit
+def dot_operand(x, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """A ``tl.dot`` operand: bf16 rounded to nearest when OP_BF16 (the interpreter keeps fp32 but
+    rounds like the GPU), else fp32."""
+    if OP_BF16:
+        if EMULATE_BF16:
+            y = round_to_bf16(x.to(tl.float32))
+        else:
+            y = x.to(tl.bfloat16)
+    else:
+        y = x.to(tl.float32)
+    return y

@@ -68,6 +68,7 @@ import triton.language as tl
 from kdakit.ops.kda.backend import dot_precision, triton_interpreting
 from kdakit.ops.kda.chunk_common import (
     block_size,
+    dot_operand,
     l2norm_rows,
     load_chunk_beta,
     load_chunk_gate,
@@ -85,7 +86,6 @@ from kdakit.ops.kda.chunk_common import (
     store_rows,
     unit_lower_inverse_doubling,
 )
-from kdakit.ops.kda.chunk_tiles import dot_operand
 from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.plan import CHUNK_SIZE, KDAPlan, forward_chunk_table, plan_kda
 

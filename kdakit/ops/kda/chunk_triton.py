@@ -1,24 +1,18 @@
-"""Autograd Function joining the Triton chunk kernels: forward (chunk_fwd) and the windowed
-backward (chunk_bwd), or the experimental 64-token pipeline (chunk_fwd64, chunk_bwd64) with
-``KDAKIT_CHUNK_PIPELINE=chunk64`` (chosen once per call, in forward).
+"""Autograd Function joining the Triton chunk kernels: the 16-token forward (chunk_fwd) and the windowed
+backward (chunk_bwd).
 
-Saved for backward: the inputs autograd already holds plus, for the windowed backward, the fp32
-state checkpoints at the plan's cadence (``plan.checkpoint_every_n_tokens``) — nothing that grows
-with T·H beyond those; the 64-token pipeline saves no checkpoints. The plan (``kdakit.ops.kda.plan.plan_kda``) is made once per call from
-the shapes and is the object the memory model prices. The call's options travel as its one
-``KDAOptions`` (``options.py``), which every launcher below takes whole; the 64-token pipeline's
-``Chunk64Options`` is derived from it.
+Saved for backward: the inputs autograd already holds plus the fp32 state checkpoints at the plan's cadence
+(``plan.checkpoint_every_n_tokens``) — nothing that grows with T·H beyond those. The plan
+(``kdakit.ops.kda.plan.plan_kda``) is made once per call from the shapes and is the object the memory model
+prices. The call's options travel as its one ``KDAOptions`` (``options.py``), which every launcher below takes
+whole.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kdakit.ops.kda.backend import requested_chunk_pipeline
 from kdakit.ops.kda.chunk_bwd import chunk_kda_bwd
-from kdakit.ops.kda.chunk_bwd64 import chunk_kda_bwd64
-from kdakit.ops.kda.chunk_fwd64 import chunk_kda_fwd64
-from kdakit.ops.kda.chunk_prep64 import chunk64_options
 from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd
 from kdakit.ops.kda.chunk_reference import INTERMEDIATE_STATE_TOKENS
 from kdakit.ops.kda.options import KDAOptions
@@ -32,21 +26,13 @@ class ChunkKDATritonFunction(torch.autograd.Function):
                 opts: KDAOptions):
         # seqlens: cu_seqlens's lengths as validation read them (no second device read here).
         plan = _plan(q, v, A_log, initial_state, seqlens, opts.output_final_state, checkpoint_every_n_tokens, None)
-        ctx.opts64 = None
-        if requested_chunk_pipeline() == "chunk64":
-            ctx.opts64 = chunk64_options(opts, q, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
-                                         seqlens=seqlens, tensors=dict(q=q, k=k, v=v, g=g, beta=beta))
-            o, final = chunk_kda_fwd64(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                                       cu_seqlens=cu_seqlens, seqlens=seqlens, opts=ctx.opts64)
-            ckpts = offsets = None
-        else:
-            # One offsets tensor, from the planned lengths (no device read), serves forward and backward.
-            offsets = plan.checkpoint_offsets(q.device)
-            o, final, ckpts = chunk_kda_fwd(
-                q, k, v, g, beta, opts=opts, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                cu_seqlens=cu_seqlens, plan=plan, ckpt_offsets=offsets)
+        # One offsets tensor, from the planned lengths (no device read), serves forward and backward.
+        offsets = plan.checkpoint_offsets(q.device)
+        o, final, ckpts = chunk_kda_fwd(
+            q, k, v, g, beta, opts=opts, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+            cu_seqlens=cu_seqlens, plan=plan, ckpt_offsets=offsets)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ckpts, offsets)
-        ctx.plan, ctx.opts, ctx.seqlens = plan, opts, seqlens
+        ctx.plan, ctx.opts = plan, opts
         return o, final
 
     @staticmethod
@@ -56,15 +42,10 @@ class ChunkKDATritonFunction(torch.autograd.Function):
         # read dense rows, so only such a cotangent is materialized.
         if not do.is_contiguous():
             do = do.contiguous()
-        if ctx.opts64 is not None:
-            dq, dk, dv, dg, dbeta, dA, dbias, dh0 = chunk_kda_bwd64(
-                q, k, v, g, beta, do, dht, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                cu_seqlens=cu_seqlens, seqlens=ctx.seqlens, opts=ctx.opts64)
-        else:
-            dq, dk, dv, dg, dbeta, dA, dbias, dh0 = chunk_kda_bwd(
-                q, k, v, g, beta, do, dht, checkpoints=ckpts, A_log=A_log, dt_bias=dt_bias,
-                initial_state=initial_state, cu_seqlens=cu_seqlens, plan=ctx.plan, opts=ctx.opts,
-                ckpt_offsets=offsets)
+        dq, dk, dv, dg, dbeta, dA, dbias, dh0 = chunk_kda_bwd(
+            q, k, v, g, beta, do, dht, checkpoints=ckpts, A_log=A_log, dt_bias=dt_bias,
+            initial_state=initial_state, cu_seqlens=cu_seqlens, plan=ctx.plan, opts=ctx.opts,
+            ckpt_offsets=offsets)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
         return dq, dk, dv, dg, dbeta, dA, dbias, dh0, None, None, None, None

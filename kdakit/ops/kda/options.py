@@ -83,8 +83,7 @@ class KDAOptions:
                     NEG_EIGVAL=self.neg_eigval, SAFE=self.safe)
 
     def intra_constexprs(self) -> dict:
-        """The option constexprs, SAFE aside, in the spelling of the chunk forward's intra kernel and of the
-        64-token pipeline's kernels."""
+        """The option constexprs, SAFE aside, in the spelling of the chunk forward's intra kernel."""
         return dict(GATE=self.gate, HAS_A_LOG=self.has_A_log, HAS_BIAS=self.has_dt_bias,
                     USE_L2NORM=self.use_qk_l2norm_in_kernel, BETA_SIGMOID=self.use_beta_sigmoid_in_kernel,
                     NEG_EIGVAL=self.neg_eigval)

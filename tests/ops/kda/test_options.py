@@ -120,7 +120,6 @@ def _record(monkeypatch, module, name, seen):
 @pytest.mark.parametrize("gate,H", [(False, 1), (True, 2)])
 def test_chunk_launchers_take_the_one_object(monkeypatch, gate, H):
     monkeypatch.setenv("KDAKIT_BACKEND", "triton")
-    monkeypatch.delenv("KDAKIT_CHUNK_PIPELINE", raising=False)
     (q, k, v, g, beta), A_log, dt_bias = _inputs(T=40, H=H)  # H == HV: the backward's lean window stages
     if not gate:
         g = -torch.rand_like(g)
@@ -139,25 +138,6 @@ def test_chunk_launchers_take_the_one_object(monkeypatch, gate, H):
     assert names == {"chunk_kda_fwd", "chunk_kda_fwd_intra", "chunk_kda_bwd", "run_windowed"} | (
         {"run_lean_window_states"} if H == 2 else set())
     assert all(opts is built[0] for _, opts in seen)
-
-
-def test_chunk64_options_are_derived_from_the_one_object(monkeypatch):
-    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
-    monkeypatch.setenv("KDAKIT_CHUNK_PIPELINE", "chunk64")
-    (q, k, v, g, beta), A_log, dt_bias = _inputs(T=70)
-    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
-    built, seen = _count_builds(monkeypatch), []
-    for name in ("chunk_kda_fwd64", "chunk_kda_bwd64"):
-        _record(monkeypatch, chunk_triton, name, seen)
-    o, _ = chunk_kda(*leaves, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-6.0,
-                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
-    o.sum().backward()
-    assert len(built) == 1 and [n for n, _ in seen] == ["chunk_kda_fwd64", "chunk_kda_bwd64"]
-    for _, o64 in seen:
-        kda = built[0]
-        assert o64.kda is kda
-        assert (o64.scale, o64.lower_bound, o64.safe, o64.N) == (kda.scale, -6.0, False, 1)
-        assert {n: o64.constexprs[n] for n in kda.intra_constexprs()} == kda.intra_constexprs()
 
 
 def test_recurrent_launchers_take_the_one_object(monkeypatch):

@@ -78,7 +78,7 @@ def _errors(ref, got):
 def test_chunk64_against_float64_and_fla(gate, pipeline):
     from kdakit import chunk_kda
 
-    x, cu, do, dht = _inputs(gate, [1500, 64, 2532], H=2, HV=4)
+    x, cu, do, dht = _inputs(gate, [1500, 64, 2532], H=16, HV=16)  # head counts in the carried FLA autotune cache
     ref = _reference(x, cu, do, dht, gate)
     got = _run(chunk_kda, x, cu, do, dht, gate, pipeline=pipeline, checkpoint_every_n_tokens=1024)
     errs = _errors(ref, got)
