@@ -60,6 +60,45 @@ def layer_rows(paths: list[str], variant: str) -> list[dict]:
     return rows
 
 
+# each kdakit kernel and the FLA 0.6.0 kernels that do the same work (FLA's names; all their calls in one step,
+# its backward's recomputation included; chunk_local_cumsum is FLA's reverse cumsum in the backward, and also
+# its forward cumsum of a precomputed log-decay)
+COUNTERPARTS = {
+    "chunk_prep_kernel": ["kda_gate_chunk_cumsum_vector_kernel", "l2norm_fwd_kernel", "fused_beta_sigmoid_fwd_kernel"],
+    "chunk_intra_diag_kernel": ["chunk_kda_fwd_kernel_intra_token_parallel", "chunk_kda_fwd_kernel_intra_sub_chunk"],
+    "chunk_intra_solve_kernel": ["chunk_kda_fwd_kernel_inter_solve_fused"],
+    "chunk_wu_kernel": ["recompute_w_u_fwd_kda_kernel"],
+    "chunk_walk_fwd_kernel": ["chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "chunk_gla_fwd_kernel_o"],
+    "chunk_dav_kernel": ["chunk_kda_bwd_kernel_dAv"],
+    "chunk_walk_bwd_kernel": ["chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"],
+    "chunk_grads_wy_kernel+chunk_grads_wy_dv_kernel": ["chunk_kda_bwd_kernel_wy_dqkg_fused"],
+    "chunk_grads_intra_kernel": ["chunk_kda_bwd_kernel_intra"],
+    "chunk_finish_kernel": ["l2norm_bwd_kernel", "kda_gate_bwd_kernel", "chunk_local_cumsum_vector_kernel",
+                            "fused_beta_sigmoid_bwd_kernel"],
+}
+
+
+def profile_rows(path: str, variant: str) -> dict:
+    """Per gate: each kdakit kernel's CUDA ms in one forward+backward beside its FLA counterparts' (same run)."""
+    data = json.load(open(path))
+    out = {}
+    for gate, cell in data["gates"].items():
+        ours = {r["kernel"]: r for r in cell.get(variant, {}).get("profile", [])}
+        theirs = {r["kernel"]: r for r in cell.get("fla", {}).get("profile", [])}
+        if not ours:
+            continue
+        rows = []
+        for mine, fla_names in COUNTERPARTS.items():
+            ms = sum(ours[k]["ms"] for k in mine.split("+") if k in ours)
+            fla_ms = sum(theirs[k]["ms"] for k in fla_names if k in theirs)
+            rows.append(dict(kdakit=mine, kdakit_ms=ms, fla=[k for k in fla_names if k in theirs], fla_ms=fla_ms,
+                             ratio=ms / fla_ms if fla_ms else None))
+        out[gate] = dict(shape=data["shape"], git_sha=data.get("git_sha"), date=data["date"], variant=variant,
+                         kdakit_total_ms=sum(r["ms"] for r in ours.values()),
+                         fla_total_ms=sum(r["ms"] for r in theirs.values()), kernels=rows)
+    return out
+
+
 def markdown(rows: list[dict]) -> str:
     out = ["| gate | shape | floor GiB | kdakit / FLA fwd ms | kdakit / FLA fwd+bwd ms | fwd+bwd ratio | "
            "kdakit / FLA peak GiB |", "|---|---|---:|---:|---:|---:|---:|"]
@@ -80,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out-chunk", required=True)
     ap.add_argument("--out-layer")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--profile", help="a dev_chunk64.py result with profiles: write profile_chunk64_<gate>_h200.json "
+                    "beside --out-chunk")
     args = ap.parse_args(argv)
     rows, shas = chunk_rows(args.chunk, args.variant)
     sha = ",".join(sorted(s for s in shas if s))
@@ -92,6 +133,16 @@ def main(argv=None) -> int:
                        "rows": layer_rows(args.layer, args.layer_variant)}, f, indent=1)
     if args.markdown:
         print(markdown(rows))
+    if args.profile:
+        import os
+        for gate, prof in profile_rows(args.profile, args.variant).items():
+            path = os.path.join(os.path.dirname(args.out_chunk) or ".", f"profile_chunk64_{gate}_h200.json")
+            with open(path, "w") as f:
+                json.dump(prof, f, indent=1)
+            print(f"{gate}: kdakit {prof['kdakit_total_ms']:.2f} ms, FLA {prof['fla_total_ms']:.2f} ms")
+            for r in prof["kernels"]:
+                print(f"  {r['kdakit']:48s} {r['kdakit_ms']:6.2f}  FLA {r['fla_ms']:6.2f}  "
+                      f"{'%.2fx' % r['ratio'] if r['ratio'] else '-'}")
     return 0
 
 
