@@ -18,16 +18,19 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from kdakit.ops.kda.chunk.autograd import chunk64_kda  # noqa: E402
 from kdakit.ops.kda.options import kda_options  # noqa: E402
+from timing import median_ms  # noqa: E402
+
+TIMING = dict(warmup=3, iters=10, sync_each=True)  # timing.median_ms: each step synced (fwd+bwd steps)
 
 LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
 
@@ -155,21 +158,6 @@ def accuracy(gate: str, calls: dict, seed: int, forward_only: bool = False) -> d
     return out
 
 
-def median_ms(fn, warmup=3, iters=10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def timing(call, x, forward_only: bool = False) -> dict:
     def fwd():
         with torch.no_grad():
@@ -178,9 +166,9 @@ def timing(call, x, forward_only: bool = False) -> dict:
     def fwd_grad():
         call(x)
 
-    res = {"fwd_nograd_ms": median_ms(fwd), "fwd_ms": median_ms(fwd_grad)}
+    res = {"fwd_nograd_ms": median_ms(fwd, **TIMING), "fwd_ms": median_ms(fwd_grad, **TIMING)}
     if not forward_only:
-        res["fwd_bwd_ms"] = median_ms(lambda: step(call, x))
+        res["fwd_bwd_ms"] = median_ms(lambda: step(call, x), **TIMING)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     fwd() if forward_only else step(call, x)

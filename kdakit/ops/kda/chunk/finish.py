@@ -25,17 +25,19 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.ops.kda.chunk.prep import (
+from kdakit.ops.kda.chunk.tiles import (
+    CHUNK,
     as_stored,
     check_slot,
     check_table,
     check_token,
+    chunk_row,
     gate_params,
     head_group,
+    token_base,
     token_dims,
     token_strides,
 )
-from kdakit.ops.kda.chunk.tiles import CHUNK, chunk_row, token_base
 from kdakit.ops.kda.chunk_common import (
     beta_activation_bwd,
     block_size,

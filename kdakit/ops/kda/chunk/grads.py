@@ -44,7 +44,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kdakit.ops.kda.chunk.tiles import CHUNK, MAX_HEAD_DIM, check_token_strides, chunk_row, token_base
+from kdakit.ops.kda.chunk.tiles import (
+    CHUNK,
+    MAX_HEAD_DIM,
+    check_token_strides,
+    chunk_row,
+    load_tile,
+    store_tile,
+    token_base,
+)
 from kdakit.ops.kda.chunk_bwd_common import GRAD_OP_FP32, grad_operand, grad_operands
 from kdakit.ops.kda.chunk_common import block_size
 from kdakit.ops.kda.options import KDAOptions
@@ -66,25 +74,6 @@ GRADS_WY_DV_BLOCKS = {"bf16": (64, 128), "fp32": (64, 32)}  # chunk_grads_wy_dv_
 # ---------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _tile(base, n_rows, stride_row, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
-    """``x[r, col0 + c]`` in the storage dtype, 0 for rows ``>= n_rows`` or columns ``>= n_cols``; base is
-    already advanced (int64) to row 0. Returns ``[BR, BC]``."""
-    r = tl.arange(0, BR)
-    c = col0 + tl.arange(0, BC)
-    mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
-    return tl.load(base + (r[:, None] * stride_row + c[None, :]), mask=mask, other=0.0)
-
-
-@triton.jit
-def _store_tile(base, x, n_rows, stride_row, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
-    """Store ``x`` ``[BR, BC]`` (cast to the pointer's type) at rows ``< n_rows``, columns ``col0 + c < n_cols``."""
-    r = tl.arange(0, BR)
-    c = col0 + tl.arange(0, BC)
-    mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
-    tl.store(base + (r[:, None] * stride_row + c[None, :]), x.to(base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -122,13 +111,13 @@ def chunk_grads_wy_kernel(
     mdW = tl.zeros([C, BK], dtype=tl.float32)  # -dW
     sds = tl.zeros([BK], dtype=tl.float32)  # Σ_v S ⊙ dS_next
     for v0 in range(0, V, BV):
-        s = _tile(h_base, K - k0, V, v0, V, BK, BV)  # [BK, BV]
-        ds = _tile(dh_base, K - k0, V, v0, V, BK, BV)  # [BK, BV]
+        s = load_tile(h_base, K - k0, V, v0, V, BK, BV)  # [BK, BV]
+        ds = load_tile(dh_base, K - k0, V, v0, V, BK, BV)  # [BK, BV]
         sds += tl.sum(s.to(tl.float32) * ds.to(tl.float32), axis=1)
         st = tl.trans(s)  # [BV, BK]
-        dqg += _mm(_tile(do_base, L, s_ot, v0, V, C, BV), st, GRAD_OP, GRAD_PREC)
-        dkd += _mm(_tile(u_base, L, V, v0, V, C, BV), tl.trans(ds), GRAD_OP, GRAD_PREC)
-        mdW += _mm(_tile(dvs_base, L, V, v0, V, C, BV), st, GRAD_OP, GRAD_PREC)
+        dqg += _mm(load_tile(do_base, L, s_ot, v0, V, C, BV), st, GRAD_OP, GRAD_PREC)
+        dkd += _mm(load_tile(u_base, L, V, v0, V, C, BV), tl.trans(ds), GRAD_OP, GRAD_PREC)
+        mdW += _mm(load_tile(dvs_base, L, V, v0, V, C, BV), st, GRAD_OP, GRAD_PREC)
 
     # ---- epilogue, ordered so that each accumulator dies early; slot tiles: all C rows (0 on padded rows)
     rows = tl.arange(0, C)
@@ -136,24 +125,24 @@ def chunk_grads_wy_kernel(
     cols = k0 + tl.arange(0, BK)
     cmask = cols < K
     gc_base = gc + slot * (C * K)
-    G = _tile(gc_base, L, K, k0, K, C, BK)  # [C, BK] fp32
+    G = load_tile(gc_base, L, K, k0, K, C, BK)  # [C, BK] fp32
     gC = tl.load(gc_base + (L - 1) * K + cols, mask=cmask, other=0.0)  # [BK] g_C
     eG = tl.exp(G)
     dqg = dqg * scale
-    _store_tile(dqh + slot * (C * K), dqg * eG, C, K, k0, K, C, BK)
-    dg = dqg * _tile(qg + slot * (C * K), L, K, k0, K, C, BK).to(tl.float32)  # [C, BK]
-    dkdkd = dkd * _tile(kd + slot * (C * K), L, K, k0, K, C, BK).to(tl.float32)  # [C, BK]
+    store_tile(dqh + slot * (C * K), dqg * eG, C, K, k0, K, C, BK)
+    dg = dqg * load_tile(qg + slot * (C * K), L, K, k0, K, C, BK).to(tl.float32)  # [C, BK]
+    dkdkd = dkd * load_tile(kd + slot * (C * K), L, K, k0, K, C, BK).to(tl.float32)  # [C, BK]
     tl.store(dgc + slot * K + cols, tl.sum(dkdkd, axis=0) + tl.exp(gC) * sds, mask=cmask)
     dg -= dkdkd
     dk = dkd * tl.exp(gC[None, :] - G)  # [C, BK]
-    ti = _tile(tinv + slot * (C * C), L, C, 0, C, C, C)  # [C, C] Tinv (padded rows 0; 0 above the diagonal)
+    ti = load_tile(tinv + slot * (C * C), L, C, 0, C, C, C)  # [C, C] Tinv (padded rows 0; 0 above the diagonal)
     dY = -_mm(tl.trans(ti), mdW, GRAD_OP, GRAD_PREC)  # [C, BK] Tinv^T dW
     rkr = tl.load(rk + (i.to(tl.int64) * H + hk) * C + rows, mask=rows < L, other=0.0)  # [C]
     k_base = token_base(k, b, t0, hk, s_kb, s_kt, s_kh)
-    yh = rkr[:, None] * _tile(k_base, L, s_kt, k0, K, C, BK).to(tl.float32) * eG  # [C, BK] k̂ exp(G)
+    yh = rkr[:, None] * load_tile(k_base, L, s_kt, k0, K, C, BK).to(tl.float32) * eG  # [C, BK] k̂ exp(G)
     dYb = dY * beta[:, None]
-    _store_tile(dgs + slot * (C * K), dg + dYb * yh, C, K, k0, K, C, BK)
-    _store_tile(dkh + slot * (C * K), dk + dYb * eG, C, K, k0, K, C, BK)
+    store_tile(dgs + slot * (C * K), dg + dYb * yh, C, K, k0, K, C, BK)
+    store_tile(dkh + slot * (C * K), dk + dYb * eG, C, K, k0, K, C, BK)
 
 
 @triton.jit
@@ -182,25 +171,25 @@ def chunk_grads_wy_dv_kernel(
 
     N = tl.zeros([C, C], dtype=tl.float32)  # dV' (v - k̂ exp(G) S)^T
     for v0 in range(0, V, BV):
-        r = _tile(v_base, L, s_vt, v0, V, C, BV).to(tl.float32)  # [C, BV] v, then R = v - k̂ exp(G) S
+        r = load_tile(v_base, L, s_vt, v0, V, C, BV).to(tl.float32)  # [C, BV] v, then R = v - k̂ exp(G) S
         for k0 in range(0, K, BK):
-            yh = _tile(k_base, L, s_kt, k0, K, C, BK).to(tl.float32) * tl.exp(_tile(gc_base, L, K, k0, K, C, BK))
-            s = _tile(h_base + k0 * V, K - k0, V, v0, V, BK, BV)  # [BK, BV]
+            yh = load_tile(k_base, L, s_kt, k0, K, C, BK).to(tl.float32) * tl.exp(load_tile(gc_base, L, K, k0, K, C, BK))
+            s = load_tile(h_base + k0 * V, K - k0, V, v0, V, BK, BV)  # [BK, BV]
             r -= _mm(yh * rkr[:, None], s, GRAD_OP, GRAD_PREC)  # [C, BV]
-        N += _mm(_tile(dvs_base, L, V, v0, V, C, BV), tl.trans(r), GRAD_OP, GRAD_PREC)  # [C, C]
+        N += _mm(load_tile(dvs_base, L, V, v0, V, C, BV), tl.trans(r), GRAD_OP, GRAD_PREC)  # [C, C]
     # ---- dv = β Tinv^T dV'
     for v0 in range(0, V, BV):
-        ti = _tile(tinv_base, L, C, 0, C, C, C)  # [C, C]
-        dZ = _mm(tl.trans(ti), _tile(dvs_base, L, V, v0, V, C, BV), GRAD_OP, GRAD_PREC)  # [C, BV]
-        _store_tile(dv_base, dZ * beta[:, None], L, s_dt, v0, V, C, BV)
+        ti = load_tile(tinv_base, L, C, 0, C, C, C)  # [C, C]
+        dZ = _mm(tl.trans(ti), load_tile(dvs_base, L, V, v0, V, C, BV), GRAD_OP, GRAD_PREC)  # [C, BV]
+        store_tile(dv_base, dZ * beta[:, None], L, s_dt, v0, V, C, BV)
 
     # ---- dbs_r = Σ_i Tinv_ir N_ir;  dT = N diag(β);  dA = -(Tinv^T dT Tinv^T), strictly lower
-    ti = _tile(tinv_base, L, C, 0, C, C, C)  # [C, C]
+    ti = load_tile(tinv_base, L, C, 0, C, C, C)  # [C, C]
     tl.store(dbs + slot * C + rows, tl.sum(ti.to(tl.float32) * N, axis=0))
     strict = rows[:, None] > rows[None, :]
     dT = tl.where(strict, N * beta[None, :], 0.0)  # only dT's strictly lower part reaches dA
     dA = -_mm(tl.trans(ti), _mm(dT, tl.trans(ti), GRAD_OP, GRAD_PREC), GRAD_OP, GRAD_PREC)  # [C, C]
-    _store_tile(dakk + slot * (C * C), tl.where(strict, dA, 0.0), C, C, 0, C, C, C)
+    store_tile(dakk + slot * (C * C), tl.where(strict, dA, 0.0), C, C, 0, C, C, C)
 
 
 # ---------------------------------------------------------------------------------------

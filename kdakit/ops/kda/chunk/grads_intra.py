@@ -53,8 +53,8 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import dot_precision, triton_interpreting
-from kdakit.ops.kda.chunk.tiles import CHUNK, MAX_HEAD_DIM, SUB, check_token_strides, chunk_row, token_base
-from kdakit.ops.kda.chunk_common import block_size, load_row_scalars, round_to_bf16
+from kdakit.ops.kda.chunk.tiles import CHUNK, MAX_HEAD_DIM, SUB, check_token_strides, chunk_row, dot_operand, token_base
+from kdakit.ops.kda.chunk_common import block_size, load_row_scalars
 from kdakit.ops.kda.options import KDAOptions
 
 # ---------------------------------------------------------------------------------------
@@ -72,20 +72,6 @@ GRADS_INTRA_BLOCK_K = 32  # K-loop step: the [16, BK] accumulators dq, dkr, dkt,
 # ---------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _operand(x, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """A ``tl.dot`` operand from an fp32 tile: bf16 rounded to nearest (OP_BF16; the interpreter keeps fp32
-    rounded like the GPU's cast, EMULATE_BF16) or the fp32 tile itself."""
-    if OP_BF16:
-        if EMULATE_BF16:
-            y = round_to_bf16(x)
-        else:
-            y = x.to(tl.bfloat16)
-    else:
-        y = x
-    return y
 
 
 @triton.jit
@@ -179,13 +165,13 @@ def _diag_safe(gc_b, da_b, dk_b, G, qh, kh, btv, r0, L, col0, scale,
     gm = tl.load(gc_b + mid * K + cols, mask=cols < K, other=0.0)  # [BK]
     ef = tl.exp(G - gm[None, :])  # [SUBC, BK]
     eb = tl.exp(gm[None, :] - G)
-    xq = _operand(qh * ef, OP_BF16, EMULATE_BF16)
-    xk = _operand((kh * btv[:, None]) * ef, OP_BF16, EMULATE_BF16)
-    ye = _operand(kh * eb, OP_BF16, EMULATE_BF16)
-    P = _operand(tl.where(strict, _block(da_b, r0, r0, L, scale, C, SUBC, False), 0.0), OP_BF16, EMULATE_BF16)
-    M = _operand(tl.where(strict, _block(dk_b, r0, r0, L, 1.0, C, SUBC, False), 0.0), OP_BF16, EMULATE_BF16)
-    PT = _operand(tl.where(strict_t, _block(da_b, r0, r0, L, scale, C, SUBC, True), 0.0), OP_BF16, EMULATE_BF16)
-    MT = _operand(tl.where(strict_t, _block(dk_b, r0, r0, L, 1.0, C, SUBC, True), 0.0), OP_BF16, EMULATE_BF16)
+    xq = dot_operand(qh * ef, OP_BF16, EMULATE_BF16)
+    xk = dot_operand((kh * btv[:, None]) * ef, OP_BF16, EMULATE_BF16)
+    ye = dot_operand(kh * eb, OP_BF16, EMULATE_BF16)
+    P = dot_operand(tl.where(strict, _block(da_b, r0, r0, L, scale, C, SUBC, False), 0.0), OP_BF16, EMULATE_BF16)
+    M = dot_operand(tl.where(strict, _block(dk_b, r0, r0, L, 1.0, C, SUBC, False), 0.0), OP_BF16, EMULATE_BF16)
+    PT = dot_operand(tl.where(strict_t, _block(da_b, r0, r0, L, scale, C, SUBC, True), 0.0), OP_BF16, EMULATE_BF16)
+    MT = dot_operand(tl.where(strict_t, _block(dk_b, r0, r0, L, 1.0, C, SUBC, True), 0.0), OP_BF16, EMULATE_BF16)
     D1q = tl.dot(P, ye, input_precision=DOT_PREC)  # [SUBC, BK]
     D1k = tl.dot(M, ye, input_precision=DOT_PREC)
     D2 = tl.dot(PT, xq, input_precision=DOT_PREC)
@@ -255,17 +241,17 @@ def chunk_grads_intra_kernel(
         D1k = tl.zeros([SUBC, BK], dtype=tl.float32)
         for t in range(0, NSUB - 1):  # constexpr bounds and guards (the interpreter ranges over no runtime bound)
             if t < s:
-                ye = _operand(_hat(k_b, rk_b, t * SUBC, L, skt, col0, K, SUBC, BK)
+                ye = dot_operand(_hat(k_b, rk_b, t * SUBC, L, skt, col0, K, SUBC, BK)
                               * tl.exp(ref[None, :] - _gate_rows(gc_b, t * SUBC, L, col0, K, SUBC, BK)),
                               OP_BF16, EMULATE_BF16)  # [SUBC, BK]
-                P = _operand(_block(da_b, r0, t * SUBC, L, scale, C, SUBC, False), OP_BF16, EMULATE_BF16)
-                M = _operand(_block(dk_b, r0, t * SUBC, L, 1.0, C, SUBC, False), OP_BF16, EMULATE_BF16)
+                P = dot_operand(_block(da_b, r0, t * SUBC, L, scale, C, SUBC, False), OP_BF16, EMULATE_BF16)
+                M = dot_operand(_block(dk_b, r0, t * SUBC, L, 1.0, C, SUBC, False), OP_BF16, EMULATE_BF16)
                 D1q = tl.dot(P, ye, acc=D1q, input_precision=DOT_PREC)
                 D1k = tl.dot(M, ye, acc=D1k, input_precision=DOT_PREC)
         # ---- the row side's results (exp(G_i - G[r0]) <= 1; zero sums when s = 0), then dqh
         fx = tl.exp(G - ref[None, :])  # [SUBC, BK]
-        xq = _operand(qh * fx, OP_BF16, EMULATE_BF16)
-        xk = _operand((kh * btv[:, None]) * fx, OP_BF16, EMULATE_BF16)
+        xq = dot_operand(qh * fx, OP_BF16, EMULATE_BF16)
+        xk = dot_operand((kh * btv[:, None]) * fx, OP_BF16, EMULATE_BF16)
         dg += xq.to(tl.float32) * D1q + xk.to(tl.float32) * D1k
         dq += fx * D1q + pdiag[:, None] * kh
         tl.store(dqh_b + offs, tl.load(dqh_b + offs, mask=mask, other=0.0) + dq, mask=mask)
@@ -278,15 +264,15 @@ def chunk_grads_intra_kernel(
                 ref = tl.load(gc_b + (u * SUBC) * K + cols, mask=cols < K, other=0.0)  # [BK]
                 fx = tl.exp(_gate_rows(gc_b, u * SUBC, L, col0, K, SUBC, BK) - ref[None, :])  # [SUBC, BK], <= 1
                 btu = load_row_scalars(bt_b, u * SUBC, L, 1, SUBC)
-                xq = _operand(_hat(q_b, rq_b, u * SUBC, L, sqt, col0, K, SUBC, BK) * fx, OP_BF16, EMULATE_BF16)
-                xk = _operand((_hat(k_b, rk_b, u * SUBC, L, skt, col0, K, SUBC, BK) * btu[:, None]) * fx,
+                xq = dot_operand(_hat(q_b, rq_b, u * SUBC, L, sqt, col0, K, SUBC, BK) * fx, OP_BF16, EMULATE_BF16)
+                xk = dot_operand((_hat(k_b, rk_b, u * SUBC, L, skt, col0, K, SUBC, BK) * btu[:, None]) * fx,
                               OP_BF16, EMULATE_BF16)
-                PT = _operand(_block(da_b, u * SUBC, r0, L, scale, C, SUBC, True), OP_BF16, EMULATE_BF16)
-                MT = _operand(_block(dk_b, u * SUBC, r0, L, 1.0, C, SUBC, True), OP_BF16, EMULATE_BF16)
+                PT = dot_operand(_block(da_b, u * SUBC, r0, L, scale, C, SUBC, True), OP_BF16, EMULATE_BF16)
+                MT = dot_operand(_block(dk_b, u * SUBC, r0, L, 1.0, C, SUBC, True), OP_BF16, EMULATE_BF16)
                 D2 = tl.dot(PT, xq, input_precision=DOT_PREC)  # [SUBC, BK]
                 D2 = tl.dot(MT, xk, acc=D2, input_precision=DOT_PREC)
                 fy = tl.exp(ref[None, :] - G)  # [SUBC, BK], <= 1
-                ye = _operand(kh * fy, OP_BF16, EMULATE_BF16)
+                ye = dot_operand(kh * fy, OP_BF16, EMULATE_BF16)
                 dk += fy * D2
                 dg -= ye.to(tl.float32) * D2
         # ---- read-modify-write of dkh, dgs

@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import dot_precision, triton_interpreting
-from kdakit.ops.kda.chunk.tiles import CHUNK, MAX_HEAD_DIM, SUB, chunk_row, check_token_strides, token_base
-from kdakit.ops.kda.chunk_common import block_size, load_row_scalars, round_to_bf16, round_to_bf16_if
+from kdakit.ops.kda.chunk.tiles import CHUNK, MAX_HEAD_DIM, SUB, check_token_strides, chunk_row, dot_operand, token_base
+from kdakit.ops.kda.chunk_common import block_size, load_row_scalars, round_to_bf16_if
 
 # launch configs
 DIAG_BLOCK_H = 16  # value heads per token-parallel program ([BH, BK] tiles)
@@ -63,18 +63,6 @@ def solve_block_k(op_bf16: bool, BK: int) -> int:
 # ---------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _dot_operand(x, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """An fp32 tile as a ``tl.dot`` operand: bf16 when OP_BF16 (the interpreter keeps fp32 rounded as the GPU
-    rounds, its bf16 dot being wrong), else as it is."""
-    if OP_BF16:
-        if EMULATE_BF16:
-            x = round_to_bf16(x)
-        else:
-            x = x.to(tl.bfloat16)
-    return x
 
 
 @triton.jit
@@ -113,7 +101,7 @@ def _col_operand(k_base, g_base, rk_base, ref, ROW0: tl.constexpr, L, skt, c0, K
     g = _load_tile(g_base, ROW0, ROW0 + SB, K, c0, K, SB, BK)  # [SB, BK]
     rk_j = load_row_scalars(rk_base, ROW0, L, 1, SB)  # [SB]
     y = _load_tile(k_base, ROW0, L, skt, c0, K, SB, BK) * rk_j[:, None] * tl.exp(ref[None, :] - g)
-    return _dot_operand(tl.trans(y), OP_BF16, EMULATE_BF16)  # [BK, SB]
+    return dot_operand(tl.trans(y), OP_BF16, EMULATE_BF16)  # [BK, SB]
 
 
 @triton.jit
@@ -265,18 +253,18 @@ def chunk_intra_solve_kernel(
         f = tl.where(sub == 1, 1.0, tl.where(sub == 2, d21, d31))
         f = tl.where(sub >= 1, f, 0.0)  # [C, BK]
         y = _col_operand(k_base, g_base, rk_base, ref1, 0, L, skt, c0, K, SB, BK, OP_BF16, EMULATE_BF16)
-        q0 += tl.dot(_dot_operand(x_q * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
-        k0 += tl.dot(_dot_operand(x_k * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
+        q0 += tl.dot(dot_operand(x_q * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
+        k0 += tl.dot(dot_operand(x_k * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
         # strip 1: rows of sub-chunks 2..3 against columns 16..31
         f = tl.where(sub == 2, 1.0, tl.where(sub == 3, d32, 0.0))
         y = _col_operand(k_base, g_base, rk_base, ref2, SB, L, skt, c0, K, SB, BK, OP_BF16, EMULATE_BF16)
-        q1 += tl.dot(_dot_operand(x_q * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
-        k1 += tl.dot(_dot_operand(x_k * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
+        q1 += tl.dot(dot_operand(x_q * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
+        k1 += tl.dot(dot_operand(x_k * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
         # strip 2: rows of sub-chunk 3 against columns 32..47
         f = tl.where(sub == 3, 1.0, 0.0)
         y = _col_operand(k_base, g_base, rk_base, ref3, 2 * SB, L, skt, c0, K, SB, BK, OP_BF16, EMULATE_BF16)
-        q2 += tl.dot(_dot_operand(x_q * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
-        k2 += tl.dot(_dot_operand(x_k * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
+        q2 += tl.dot(dot_operand(x_q * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
+        k2 += tl.dot(dot_operand(x_k * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
 
     aqk_base = aqk + slot * (C * C)
     _store_strip(aqk_base, q0 * scale, 0, C, SB, ROUND)

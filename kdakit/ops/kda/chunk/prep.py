@@ -26,7 +26,20 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import dot_precision, triton_interpreting
-from kdakit.ops.kda.chunk.tiles import CHUNK, MAX_HEAD_DIM, chunk_row, check_token_strides, token_base
+from kdakit.ops.kda.chunk.tiles import (
+    CHUNK,
+    as_stored,
+    check_slot,
+    check_table,
+    check_token,
+    chunk_row,
+    dot_operand,
+    gate_params,
+    head_group,
+    token_base,
+    token_dims,
+    token_strides,
+)
 from kdakit.ops.kda.chunk_common import (
     beta_activation,
     block_size,
@@ -34,7 +47,6 @@ from kdakit.ops.kda.chunk_common import (
     l2norm_rstd,
     load_row_scalars,
     load_rows,
-    round_to_bf16,
     store_rows,
 )
 from kdakit.ops.kda.options import KDAOptions
@@ -49,30 +61,6 @@ WU_CONFIG = {"bf16": (64, 8), "fp32": (32, 4)}  # the wu kernel's (BK = BV, warp
 # ---------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def dot_operand(x, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """A ``tl.dot`` operand from an fp32 tile: bf16 (OP_BF16; rounded to nearest in fp32 under the interpreter,
-    EMULATE_BF16) or the fp32 tile itself."""
-    if OP_BF16:
-        if EMULATE_BF16:
-            y = round_to_bf16(x)
-        else:
-            y = x.to(tl.bfloat16)
-    else:
-        y = x
-    return y
-
-
-@triton.jit
-def as_stored(x, base, INTERPRETED: tl.constexpr):
-    """x rounded to nearest bf16 when ``base`` points to bf16 under the interpreter (whose bf16 store truncates),
-    so that the stored value is the GPU's; x itself otherwise."""
-    if INTERPRETED:
-        if base.dtype.element_ty == tl.bfloat16:
-            x = round_to_bf16(x)
-    return x
 
 
 @triton.jit
@@ -187,78 +175,6 @@ def chunk_wu_kernel(
 # ---------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------
-
-
-def check_table(table) -> int:
-    """The chunk table (contiguous int32 ``[n, 4]``); returns n."""
-    if not isinstance(table, torch.Tensor):
-        raise TypeError(f"table must be a torch.Tensor, got {type(table).__name__}")
-    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] != 4 or not table.is_contiguous():
-        raise ValueError(f"table must be a contiguous int32 [n, 4] tensor, got {table.dtype} {tuple(table.shape)}")
-    return table.shape[0]
-
-
-def token_dims(name: str, x, ndim: int, unit_last: bool = True) -> tuple:
-    """A token tensor's shape after checking that it is an ``ndim``-D tensor in a dtype the kernels take, with a
-    unit last stride (``unit_last``; beta's rows are read through all three strides)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
-    if unit_last:
-        check_token_strides(name, x)
-    return tuple(x.shape)
-
-
-def check_token(name: str, x, shape: tuple) -> None:
-    """A token tensor of the given shape (token_dims' checks; a 3-D one, beta, may have any strides)."""
-    if token_dims(name, x, len(shape), unit_last=len(shape) == 4) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-
-
-def check_slot(name: str, x, shape: tuple, dtype) -> None:
-    """A slot tensor: contiguous, of the given shape and dtype."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
-    if tuple(x.shape) != tuple(shape) or not x.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous tensor of shape {tuple(shape)}, got {tuple(x.shape)} "
-                         f"with strides {tuple(x.stride())}")
-
-
-def gate_params(opts: KDAOptions, A_log, dt_bias, HV: int, K: int):
-    """The flat gate parameters the options use (contiguous ``[HV]`` / ``[HV * K]``), None for the unused ones."""
-    out = []
-    for name, x, used, numel in (("A_log", A_log, opts.has_A_log, HV), ("dt_bias", dt_bias, opts.has_dt_bias, HV * K)):
-        if not used:
-            out.append(None)
-            continue
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor (the options use it), got {type(x).__name__}")
-        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
-        if tuple(x.shape) != (numel,) or not x.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous [{numel}] view (opts.kernel_gate_params), got "
-                             f"{tuple(x.shape)}")
-        out.append(x)
-    return tuple(out)
-
-
-def head_group(H: int, HV: int, K: int, V: int) -> int:
-    """HV // H after checking the head counts and head sizes."""
-    if H <= 0 or HV <= 0 or HV % H:
-        raise ValueError(f"HV must be a positive multiple of H, got H={H}, HV={HV}")
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise ValueError(f"K and V must be <= {MAX_HEAD_DIM}, got K={K}, V={V}")
-    return HV // H
-
-
-def token_strides(x: torch.Tensor) -> tuple[int, int, int]:
-    """(batch, token, head) element strides of a token tensor."""
-    return x.stride(0), x.stride(1), x.stride(2)
 
 
 def run_prep(opts: KDAOptions, table, q, k, g, beta, A_log, dt_bias, gc, bt, rq, rk) -> None:

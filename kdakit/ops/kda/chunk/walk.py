@@ -42,8 +42,17 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import dot_precision, triton_interpreting
-from kdakit.ops.kda.chunk.tiles import CHUNK, MAX_HEAD_DIM, check_token_strides, chunk_row, token_base
-from kdakit.ops.kda.chunk_common import block_size, round_to_bf16
+from kdakit.ops.kda.chunk.tiles import (
+    CHUNK,
+    MAX_HEAD_DIM,
+    as_stored,
+    check_slot,
+    check_token_strides,
+    chunk_row,
+    dot_operand,
+    token_base,
+)
+from kdakit.ops.kda.chunk_common import block_size
 from kdakit.ops.kda.options import KDAOptions
 
 # ---- launch configs
@@ -69,33 +78,10 @@ TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _operand(x, OP_BF16: tl.constexpr, EMULATE: tl.constexpr):
-    """A ``tl.dot`` operand from an fp32 tile: bf16 (rounded to nearest) when OP_BF16; the interpreter keeps
-    fp32 holding the rounded value."""
-    if OP_BF16:
-        if EMULATE:
-            y = round_to_bf16(x)
-        else:
-            y = x.to(tl.bfloat16)
-    else:
-        y = x
-    return y
-
-
-@triton.jit
-def _stored(x, ptr, EMULATE: tl.constexpr):
-    """``x`` about to be stored through ``ptr``: the interpreter rounds to nearest for a bf16 target (its own
-    cast truncates), so it stores what the GPU stores."""
-    if EMULATE:
-        if ptr.dtype.element_ty == tl.bfloat16:
-            x = round_to_bf16(x)
-    return x
-
-
-@triton.jit
 def _load_tile(base, n_rows, stride_row, col0, n_cols, BR: tl.constexpr, BC: tl.constexpr):
     """``x[r, col0 + c]`` of a row-major slab at ``base`` (row 0) as fp32 ``[BR, BC]``; rows ``>= n_rows`` and
-    columns ``>= n_cols`` read as 0. In-tile offsets are int32 (the caller's base carries the int64 part)."""
+    columns ``>= n_cols`` read as 0. In-tile offsets are int32 (the caller's base carries the int64 part).
+    Not tiles.load_tile: the pointer is advanced by rows, then columns (two adds), which builds other code."""
     r = tl.arange(0, BR)
     c = col0 + tl.arange(0, BC)
     mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
@@ -142,25 +128,25 @@ def _walk_fwd_step(S, s, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, 
     _, b, t0, L = chunk_row(table, s)
     slot = s.to(tl.int64) * HV + hv
     h_slot = h + slot * (K * V)
-    _store_tile(h_slot, _stored(S, h_slot, EMULATE), K, V, v0, V, BK, BV)
-    Sb = _operand(S, OP_BF16, EMULATE)  # [BK, BV]
-    Wn = _operand(-_load_tile(w + slot * (C * K), L, K, 0, K, C, BK), OP_BF16, EMULATE)  # -W [C, BK]
+    _store_tile(h_slot, as_stored(S, h_slot, EMULATE), K, V, v0, V, BK, BV)
+    Sb = dot_operand(S, OP_BF16, EMULATE)  # [BK, BV]
+    Wn = dot_operand(-_load_tile(w + slot * (C * K), L, K, 0, K, C, BK), OP_BF16, EMULATE)  # -W [C, BK]
     u_slot = u + slot * (C * V)
     Vn = tl.dot(Wn, Sb, acc=_load_tile(u_slot, L, V, v0, V, C, BV), input_precision=DOT_PREC)  # V' [C, BV]
-    Vn = _stored(Vn, u_slot, EMULATE)
+    Vn = as_stored(Vn, u_slot, EMULATE)
     _store_tile(u_slot, Vn, C, V, v0, V, C, BV)
-    Vb = _operand(Vn, OP_BF16, EMULATE)  # [C, BV]
+    Vb = dot_operand(Vn, OP_BF16, EMULATE)  # [C, BV]
     if STORE_O:
-        Qg = _operand(_load_tile(qg + slot * (C * K), L, K, 0, K, C, BK), OP_BF16, EMULATE)  # [C, BK]
+        Qg = dot_operand(_load_tile(qg + slot * (C * K), L, K, 0, K, C, BK), OP_BF16, EMULATE)  # [C, BK]
         rows = tl.arange(0, C)
         cols = tl.arange(0, C)
         causal = (rows[:, None] >= cols[None, :]) & (rows < L)[:, None]
         A = tl.load(aqk + slot * (C * C) + rows[:, None] * C + cols[None, :], mask=causal, other=0.0)
-        A = _operand(A.to(tl.float32), OP_BF16, EMULATE)  # [C, C]
+        A = dot_operand(A.to(tl.float32), OP_BF16, EMULATE)  # [C, C]
         O = tl.dot(A, Vb, acc=tl.dot(Qg, Sb, input_precision=DOT_PREC) * scale, input_precision=DOT_PREC)  # [C, BV]
         o_base = token_base(o, b, t0, hv, s_ob, s_ot, s_oh)
-        _store_tile(o_base, _stored(O, o_base, EMULATE), L, s_ot, v0, V, C, BV)
-    kdT = _operand(_load_rows_t(kd + slot * (C * K), L, K, K, BK, C), OP_BF16, EMULATE)  # [BK, C]
+        _store_tile(o_base, as_stored(O, o_base, EMULATE), L, s_ot, v0, V, C, BV)
+    kdT = dot_operand(_load_rows_t(kd + slot * (C * K), L, K, K, BK, C), OP_BF16, EMULATE)  # [BK, C]
     decay = _decay_row(gc + slot * (C * K), L, K, BK)  # [BK]
     return tl.dot(kdT, Vb, acc=S * decay[:, None], input_precision=DOT_PREC)  # [BK, BV]
 
@@ -208,17 +194,17 @@ def _walk_bwd_step(dS, s, hv, v0, table, w, qg, kd, gc, do, dh, dvs, scale, HV, 
     _, b, t0, L = chunk_row(table, s)
     slot = s.to(tl.int64) * HV + hv
     dh_slot = dh + slot * (K * V)
-    _store_tile(dh_slot, _stored(dS, dh_slot, EMULATE), K, V, v0, V, BK, BV)
-    dSb = _operand(dS, OP_BF16, EMULATE)  # [BK, BV]
-    Kd = _operand(_load_tile(kd + slot * (C * K), L, K, 0, K, C, BK), OP_BF16, EMULATE)  # [C, BK]
+    _store_tile(dh_slot, as_stored(dS, dh_slot, EMULATE), K, V, v0, V, BK, BV)
+    dSb = dot_operand(dS, OP_BF16, EMULATE)  # [BK, BV]
+    Kd = dot_operand(_load_tile(kd + slot * (C * K), L, K, 0, K, C, BK), OP_BF16, EMULATE)  # [C, BK]
     dvs_slot = dvs + slot * (C * V)
     dVn = tl.dot(Kd, dSb, acc=_load_tile(dvs_slot, L, V, v0, V, C, BV), input_precision=DOT_PREC)  # dV' [C, BV]
     _store_tile(dvs_slot, dVn, C, V, v0, V, C, BV)
-    dVb = _operand(-dVn, OP_BF16, EMULATE)  # -dV'
-    dO = _operand(_load_tile(token_base(do, b, t0, hv, s_db, s_dt, s_dh), L, s_dt, v0, V, C, BV),
+    dVb = dot_operand(-dVn, OP_BF16, EMULATE)  # -dV'
+    dO = dot_operand(_load_tile(token_base(do, b, t0, hv, s_db, s_dt, s_dh), L, s_dt, v0, V, C, BV),
                   OP_BF16, EMULATE)  # [C, BV]
-    QgT = _operand(_load_rows_t(qg + slot * (C * K), L, K, K, BK, C), OP_BF16, EMULATE)  # [BK, C]
-    WT = _operand(_load_rows_t(w + slot * (C * K), L, K, K, BK, C), OP_BF16, EMULATE)  # [BK, C]
+    QgT = dot_operand(_load_rows_t(qg + slot * (C * K), L, K, K, BK, C), OP_BF16, EMULATE)  # [BK, C]
+    WT = dot_operand(_load_rows_t(w + slot * (C * K), L, K, K, BK, C), OP_BF16, EMULATE)  # [BK, C]
     decay = _decay_row(gc + slot * (C * K), L, K, BK)  # [BK]
     # dS exp(g_C) + scale qg^T dO as scale (dS exp(g_C) / scale + qg^T dO): both products accumulate in place
     dS = tl.dot(QgT, dO, acc=dS * (decay / scale)[:, None], input_precision=DOT_PREC)  # [BK, BV]
@@ -276,14 +262,14 @@ def chunk_dav_kernel(
     causal = rows[:, None] >= cols[None, :]  # [C, C]
     keep_t = (cols[None, :] >= rows[:, None]) & (cols < L)[None, :]  # Aqk^T[j, i] = Aqk[i, j], real rows i >= j
     At = tl.load(aqk + slot * (C * C) + rows[:, None] + cols[None, :] * C, mask=keep_t, other=0.0)
-    At = _operand(At.to(tl.float32), OP_BF16, EMULATE)  # [C, C]
+    At = dot_operand(At.to(tl.float32), OP_BF16, EMULATE)  # [C, C]
     do_base = token_base(do, b, t0, hv, s_db, s_dt, s_dh)
     u_slot = u + slot * (C * V)
     dvs_slot = dvs + slot * (C * V)
     dA = tl.zeros([C, C], dtype=tl.float32)
     for v0 in tl.static_range(0, V, BV):
-        dO = _operand(_load_tile(do_base, L, s_dt, v0, V, C, BV), OP_BF16, EMULATE)  # [C, BV]
-        VnT = _operand(_load_rows_t(u_slot + v0, L, V, V - v0, BV, C), OP_BF16, EMULATE)  # [BV, C]
+        dO = dot_operand(_load_tile(do_base, L, s_dt, v0, V, C, BV), OP_BF16, EMULATE)  # [C, BV]
+        VnT = dot_operand(_load_rows_t(u_slot + v0, L, V, V - v0, BV, C), OP_BF16, EMULATE)  # [BV, C]
         dA += tl.dot(dO, VnT, input_precision=DOT_PREC)
         _store_tile(dvs_slot, tl.dot(At, dO, input_precision=DOT_PREC), C, V, v0, V, C, BV)
     _store_tile(daqk + slot * (C * C), tl.where(causal, dA, 0.0), C, C, 0, C, C, C)
@@ -292,18 +278,6 @@ def chunk_dav_kernel(
 # ---------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------
-
-
-def _check_slot(name: str, x, shape: tuple, dtype: torch.dtype) -> None:
-    """A slot tensor (or the table, seq_rows, carry): this shape and dtype, contiguous."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
-    if x.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError(f"{name} must be contiguous, got strides {tuple(x.stride())}")
 
 
 def _check_tokens(name: str, x, HV: int, V: int) -> None:
@@ -358,7 +332,7 @@ def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
                                   ("qg", qg, (n, HV, CHUNK, K), dt), ("kd", kd, (n, HV, CHUNK, K), dt),
                                   ("aqk", aqk, (n, HV, CHUNK, CHUNK), dt), ("gc", gc, (n, HV, CHUNK, K), torch.float32),
                                   ("carry", carry, (N, HV, K, V), torch.float32), ("h", h, (n, HV, K, V), dt)):
-        _check_slot(name, x, shape, dtype)
+        check_slot(name, x, shape, dtype)
     if o is not None:
         _check_tokens("o", o, HV, V)
     if N * HV == 0 or n == 0:
@@ -386,7 +360,7 @@ def run_walk_bwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
                                   ("kd", kd, (n, HV, CHUNK, K), dt), ("gc", gc, (n, HV, CHUNK, K), torch.float32),
                                   ("carry", carry, (N, HV, K, V), torch.float32), ("dh", dh, (n, HV, K, V), dt),
                                   ("dvs", dvs, (n, HV, CHUNK, V), torch.float32)):
-        _check_slot(name, x, shape, dtype)
+        check_slot(name, x, shape, dtype)
     _check_tokens("do", do, HV, V)
     if N * HV == 0 or n == 0:
         return
@@ -410,7 +384,7 @@ def run_dav(opts: KDAOptions, table: torch.Tensor, do: torch.Tensor, u: torch.Te
                                   ("aqk", aqk, (n, HV, CHUNK, CHUNK), dt),
                                   ("daqk", daqk, (n, HV, CHUNK, CHUNK), torch.float32),
                                   ("dvs", dvs, (n, HV, CHUNK, V), torch.float32)):
-        _check_slot(name, x, shape, dtype)
+        check_slot(name, x, shape, dtype)
     _check_tokens("do", do, HV, V)
     if n * HV == 0:
         return
