@@ -54,7 +54,7 @@ def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, c
     dcarry = torch.zeros(plan.n_seqs, HV, K, V, dtype=torch.float32, device=dev)
     if dht is not None:
         dcarry.copy_(dht.transpose(-1, -2) if opts.state_v_first else dht)
-    carry = torch.empty_like(dcarry)
+    carry = torch.empty_like(dcarry) if kept is None else None
     for w in reversed(range(plan.n_windows)):
         r0, r1 = plan.window_rows[w]
         if r1 == r0:

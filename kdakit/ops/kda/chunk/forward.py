@@ -40,12 +40,11 @@ def forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, d
     )
 
 
-def window_intermediates(opts: KDAOptions, rows: torch.Tensor, s: dict, q, k, v, g, beta, A_log, dt_bias,
-                         first: int = 0) -> dict:
-    """prep, intra and wu of one window (rows of the chunk table) into slots ``first .. first + len(rows)`` of
-    ``s``; returns those slot views."""
+def window_intermediates(opts: KDAOptions, rows: torch.Tensor, s: dict, q, k, v, g, beta, A_log, dt_bias) -> dict:
+    """prep, intra and wu of the chunk table's ``rows`` into the first ``len(rows)`` slots of ``s``; returns those
+    slot views."""
     n = rows.shape[0]
-    x = {name: t[first:first + n] for name, t in s.items()}
+    x = {name: t[:n] for name, t in s.items()}
     run_prep(opts, rows, q, k, g, beta, A_log, dt_bias, x["gc"], x["bt"], x["rq"], x["rk"])
     run_intra(opts, rows, q, k, x["gc"], x["bt"], x["rq"], x["rk"], x["aqk"], x["akk_d"], x["tinv"])
     run_wu(opts, rows, q, k, v, x["gc"], x["bt"], x["rq"], x["rk"], x["tinv"], x["w"], x["u"], x["qg"], x["kd"])
@@ -62,20 +61,29 @@ def state_carry(initial_state, N: int, HV: int, K: int, V: int, v_first: bool, d
 
 def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_bias, initial_state,
               keep: bool = False):
-    """-> (o ``[B, T, HV, V]`` in v's dtype, final state fp32 in the call's layout or None, checkpoints, the
-    whole call's slots when ``keep`` else None)."""
+    """-> (o ``[B, T, HV, V]`` in v's dtype, final state fp32 in the call's layout or None, the checkpoints (None
+    when ``keep``), the whole call's slots when ``keep`` else None)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     carry = state_carry(initial_state, plan.n_seqs, HV, K, V, opts.state_v_first, q.device)
-    checkpoints = torch.empty(plan.n_windows, *carry.shape, dtype=torch.float32, device=q.device)
-    s = forward_slots(plan.table.shape[0] if keep else plan.max_slots, H, HV, K, V, q.dtype, q.device)
+    # kept slots: the backward reads them, so it needs no checkpoints, and the state-independent stages run once
+    # over every chunk (fewer, larger launches); only the walk goes window by window
+    checkpoints = None if keep else torch.empty(plan.n_windows, *carry.shape, dtype=torch.float32, device=q.device)
+    n_rows = plan.table.shape[0]
+    s = forward_slots(n_rows if keep else plan.max_slots, H, HV, K, V, q.dtype, q.device)
+    if keep and n_rows:
+        window_intermediates(opts, plan.table, s, q, k, v, g, beta, A_log, dt_bias)
     for w, (r0, r1) in enumerate(plan.window_rows):
-        checkpoints[w].copy_(carry)
+        if checkpoints is not None:
+            checkpoints[w].copy_(carry)
         if r1 == r0:
             continue
         rows = plan.table[r0:r1]
-        x = window_intermediates(opts, rows, s, q, k, v, g, beta, A_log, dt_bias, first=r0 if keep else 0)
+        if keep:
+            x = {name: t[r0:r1] for name, t in s.items()}
+        else:
+            x = window_intermediates(opts, rows, s, q, k, v, g, beta, A_log, dt_bias)
         run_walk_fwd(opts, rows, plan.seq_rows[w], x["w"], x["u"], x["qg"], x["kd"], x["aqk"], x["gc"], carry,
                      x["h"], o)
     final = None
