@@ -22,12 +22,13 @@ from benchmarks.dev_chunk64 import kdakit64, make_inputs, step  # noqa: E402
 
 # kernel name in the profile -> (module, list of overrides); the first entry of each list is the shipped config
 VARIANTS = {
-    "chunk_walk_fwd_kernel": ("walk", [{}, {"WALK_FWD_WARPS": 8}, {"WALK_FWD_BLOCK_V": 128, "WALK_FWD_WARPS": 8}]),
+    "chunk_walk_fwd_kernel": ("walk", [{}, {"WALK_FWD_WARPS": 8},
+                                       {"WALK_FWD_BLOCK_V": {"bf16": 128, "fp32": 16}, "WALK_FWD_WARPS": 8}]),
     "chunk_intra_diag_kernel": ("intra", [{}, {"DIAG_BLOCK_H": 16, "DIAG_NUM_WARPS": 4},
                                           {"DIAG_BLOCK_H": 8, "DIAG_NUM_WARPS": 1}]),
     "chunk_intra_solve_kernel": ("intra", [{}, {"SOLVE_NUM_WARPS": {"bf16": 4, "fp32": 4}}, {"SOLVE_BLOCK_K": 64}]),
     "chunk_wu_kernel": ("prep", [{}, {"WU_CONFIG": {"bf16": (64, 4), "fp32": (32, 4)}}]),
-    "chunk_walk_bwd_kernel": ("walk", [{}, {"WALK_BWD_WARPS": 2}, {"WALK_BWD_BLOCK_V": 16}]),
+    "chunk_walk_bwd_kernel": ("walk", [{}, {"WALK_BWD_WARPS": 2}, {"WALK_BWD_BLOCK_V": {"bf16": 64, "fp32": 16}}]),
     "chunk_grads_wy_kernel": ("grads", [
         {}, {"GRADS_WY_NUM_WARPS": 8, "GRADS_WY_BLOCKS": {"bf16": (32, 64), "fp32": (32, 32)}},
         {"GRADS_WY_NUM_STAGES": 3}, {"GRADS_WY_BLOCKS": {"bf16": (64, 64), "fp32": (32, 32)}, "GRADS_WY_NUM_WARPS": 8}]),
@@ -36,7 +37,7 @@ VARIANTS = {
     "chunk_grads_intra_kernel": ("grads_intra", [
         {}, {"GRADS_INTRA_BLOCK_K": 64}, {"GRADS_INTRA_NUM_WARPS": {"bf16": 4, "fp32": 4}}]),
     "chunk_finish_kernel": ("finish", [{}, {"FINISH_NUM_WARPS": 8}, {"FINISH_NUM_WARPS": 2}]),
-    "chunk_dav_kernel": ("walk", [{}, {"DAV_BLOCK_V": 128}]),
+    "chunk_dav_kernel": ("walk", [{}, {"DAV_BLOCK_V": {"bf16": 64, "fp32": 32}}]),
 }
 
 

@@ -55,21 +55,29 @@ from kdakit.ops.kda.chunk.tiles import (
 from kdakit.ops.kda.chunk_common import block_size
 from kdakit.ops.kda.options import KDAOptions
 
-# ---- launch configs
-# The walks split V in 32-wide blocks: four programs per sequence and value head at V = 128, each small enough
-# for two or more per SM. The forward walk prefetches the next chunk's operands (two stages); the backward's
-# two stages would need about twice the shared memory of two programs per SM, so it runs one.
+# ---- launch configs, by operand kind: "bf16" (16-bit inputs, bf16 dot operands) or "fp32" (3xTF32 operands)
+# The walks split V across programs; the forward walk prefetches the next chunk's operands (two stages), the
+# backward's two stages would need about twice the shared memory of two programs per SM, so it runs one.
+# fp32 operands do not fit the register file at any block tried (V blocks 16-64, one or two stages; K is not split):
+# every fp32 walk keeps a spill, the least at 16-wide V blocks and one stage (sm_90a ptxas, K = V = 128), within
+# WALK_SPILL_BUDGET, which the build test checks. Their speed has not been measured.
 WALK_FWD_WARPS = 4
-WALK_FWD_STAGES = 2
-WALK_FWD_BLOCK_V = 64
+WALK_FWD_STAGES = {"bf16": 2, "fp32": 1}
+WALK_FWD_BLOCK_V = {"bf16": 64, "fp32": 16}
 WALK_BWD_WARPS = 4
 WALK_BWD_STAGES = 1
-WALK_BWD_BLOCK_V = 32
+WALK_BWD_BLOCK_V = {"bf16": 32, "fp32": 16}
 DAV_WARPS = 4
 DAV_STAGES = 1
-DAV_BLOCK_V = 128
+DAV_BLOCK_V = {"bf16": 128, "fp32": 32}
+WALK_SPILL_BUDGET = {"bf16": 0, "fp32": 800}  # bytes of spill stores + loads per kernel
 
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def operand_kind(slot_dtype: torch.dtype) -> str:
+    """The launch-config key of a slot dtype: 16-bit slots take bf16 dot operands, fp32 slots 3xTF32."""
+    return "fp32" if slot_dtype == torch.float32 else "bf16"
 
 
 # ---------------------------------------------------------------------------------------
@@ -337,12 +345,13 @@ def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
         _check_tokens("o", o, HV, V)
     if N * HV == 0 or n == 0:
         return
-    BV = min(WALK_FWD_BLOCK_V, block_size(V))
+    kind = operand_kind(u.dtype)
+    BV = min(WALK_FWD_BLOCK_V[kind], block_size(V))
     so = o.stride()[:3] if o is not None else (0, 0, 0)
     chunk_walk_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
         table, seq_rows, w, u, qg, kd, aqk, gc, carry, h, o if o is not None else u, float(opts.scale), HV, *so,
         K=K, V=V, C=CHUNK, BK=block_size(K), BV=BV, STORE_O=o is not None, **flags,
-        LOOP_WHILE=triton_interpreting(), num_warps=WALK_FWD_WARPS, num_stages=WALK_FWD_STAGES,
+        LOOP_WHILE=triton_interpreting(), num_warps=WALK_FWD_WARPS, num_stages=WALK_FWD_STAGES[kind],
     )
 
 
@@ -364,7 +373,7 @@ def run_walk_bwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
     _check_tokens("do", do, HV, V)
     if N * HV == 0 or n == 0:
         return
-    BV = min(WALK_BWD_BLOCK_V, block_size(V))
+    BV = min(WALK_BWD_BLOCK_V[operand_kind(w.dtype)], block_size(V))
     chunk_walk_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         table, seq_rows, w, qg, kd, gc, do, carry, dh, dvs, float(opts.scale), HV, *do.stride()[:3],
         K=K, V=V, C=CHUNK, BK=block_size(K), BV=BV, **flags, LOOP_WHILE=triton_interpreting(),
@@ -390,5 +399,5 @@ def run_dav(opts: KDAOptions, table: torch.Tensor, do: torch.Tensor, u: torch.Te
         return
     chunk_dav_kernel[(n, HV)](
         table, do, u, aqk, daqk, dvs, HV, *do.stride()[:3],
-        V=V, C=CHUNK, BV=min(DAV_BLOCK_V, block_size(V)), **flags, num_warps=DAV_WARPS, num_stages=DAV_STAGES,
+        V=V, C=CHUNK, BV=min(DAV_BLOCK_V[operand_kind(u.dtype)], block_size(V)), **flags, num_warps=DAV_WARPS, num_stages=DAV_STAGES,
     )

@@ -301,20 +301,21 @@ out = {}
 for tok in ("bf16", "fp16", "fp32"):
     T = "*" + tok
     fl = dict(OP_BF16=tok != "fp32", EMULATE=False, DOT_PREC="tf32x3" if tok == "fp32" else "tf32")
+    kind = "fp32" if tok == "fp32" else "bf16"
     for store_o in (True, False):
         out[f"fwd/{tok}/store_o={store_o}"] = build(
             W.chunk_walk_fwd_kernel, dict(table="*i32", seq_rows="*i32", w=T, u=T, qg=T, kd=T, aqk=T, gc="*fp32",
                                           carry="*fp32", h=T, o=T, scale="fp32"),
-            dict(K=128, V=128, C=64, BK=128, BV=W.WALK_FWD_BLOCK_V, STORE_O=store_o, LOOP_WHILE=False, **fl),
-            W.WALK_FWD_WARPS, W.WALK_FWD_STAGES)
+            dict(K=128, V=128, C=64, BK=128, BV=W.WALK_FWD_BLOCK_V[kind], STORE_O=store_o, LOOP_WHILE=False, **fl),
+            W.WALK_FWD_WARPS, W.WALK_FWD_STAGES[kind])
     out[f"bwd/{tok}"] = build(
         W.chunk_walk_bwd_kernel, dict(table="*i32", seq_rows="*i32", w=T, qg=T, kd=T, gc="*fp32", do=T,
                                       carry="*fp32", dh=T, dvs="*fp32", scale="fp32"),
-        dict(K=128, V=128, C=64, BK=128, BV=W.WALK_BWD_BLOCK_V, LOOP_WHILE=False, **fl),
+        dict(K=128, V=128, C=64, BK=128, BV=W.WALK_BWD_BLOCK_V[kind], LOOP_WHILE=False, **fl),
         W.WALK_BWD_WARPS, W.WALK_BWD_STAGES)
     out[f"dav/{tok}"] = build(
         W.chunk_dav_kernel, dict(table="*i32", do=T, u=T, aqk=T, daqk="*fp32", dvs="*fp32"),
-        dict(V=128, C=64, BV=W.DAV_BLOCK_V, **fl), W.DAV_WARPS, W.DAV_STAGES)
+        dict(V=128, C=64, BV=W.DAV_BLOCK_V[kind], **fl), W.DAV_WARPS, W.DAV_STAGES)
 print(json.dumps(out))
 '''
 
@@ -322,11 +323,10 @@ print(json.dumps(out))
 def test_sm90_build():
     res = json.loads(run_sm90_build(_BUILD).strip().splitlines()[-1])
     assert len(res) == 12
+    from kdakit.ops.kda.chunk.walk import WALK_SPILL_BUDGET
+
     for name, r in res.items():
-        if "fp32" in name:
-            # fp32 slots (tf32x3 products) build but spill at these configs: the 3-pass split of the [64, 128] fp32
-            # operands does not fit; they need the K dimension split in 64-wide halves (not done). Checked: it builds.
-            continue
-        assert r["spill"] == 0, (name, r)
+        budget = WALK_SPILL_BUDGET["fp32" if "fp32" in name else "bf16"]
+        assert r["spill"] <= budget, (name, r, budget)
         assert r["regs"] <= (255 if r["warps"] <= 4 else 128), (name, r)
         assert r["smem"] <= 113 * 1024, (name, r)  # two programs per SM in the H200's 228 KB
