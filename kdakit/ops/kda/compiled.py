@@ -41,7 +41,7 @@ def chunk_kda_via_op(q, k, v, g, beta, *, scale, initial_state, output_final_sta
                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
                      disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
                      cp_context, use_graph, max_num_seqs, A_log, dt_bias, chunk_size, checkpoint_every_n_tokens,
-                     state_indices, transpose_state_layout, check_indices):
+                     state_indices, transpose_state_layout, check_indices, pipeline=None):
     for name, value, default in (("disable_recompute", disable_recompute, False), ("use_graph", use_graph, False),
                                  ("max_num_seqs", max_num_seqs, None), ("cp_context", cp_context, None),
                                  ("return_intermediate_states", return_intermediate_states, False),
@@ -51,12 +51,12 @@ def chunk_kda_via_op(q, k, v, g, beta, *, scale, initial_state, output_final_sta
              lower_bound, state_v_first, chunk_size, checkpoint_every_n_tokens)
     if state_indices is None:
         o, final = torch.ops.kdakit.chunk_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                                              cu_seqlens_cpu, scale, output_final_state, *flags)
+                                              cu_seqlens_cpu, scale, output_final_state, *flags, pipeline)
     else:
         # the pool is updated in place: a mutating op, forward only (no autograd formula)
         o, final = torch.ops.kdakit.chunk_kda_pool(q, k, v, g, beta, A_log, dt_bias, initial_state, state_indices,
                                                    cu_seqlens, cu_seqlens_cpu, scale, output_final_state, *flags,
-                                                   check_indices)
+                                                   check_indices, pipeline)
     return o, (final if output_final_state else None)
 
 

@@ -121,20 +121,23 @@ def _chunk_kda_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_lo
                   cu_seqlens_cpu: Tensor | None, scale: float | None, output_final_state: bool,
                   use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
                   allow_neg_eigval: bool, safe_gate: bool, lower_bound: float | None, state_v_first: bool,
-                  chunk_size: int | None, checkpoint_every_n_tokens: int | None) -> tuple[Tensor, Tensor]:
+                  chunk_size: int | None, checkpoint_every_n_tokens: int | None,
+                  pipeline: str | None = None) -> tuple[Tensor, Tensor]:
     o, final = chunk_kda(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
         lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-        A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size, checkpoint_every_n_tokens=checkpoint_every_n_tokens)
+        A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size, checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+        pipeline=pipeline)
     return o, (final if final is not None else _absent(q))
 
 
 @_chunk_kda_op.register_fake
 def _chunk_kda_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
                     output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval, safe_gate, lower_bound, state_v_first, chunk_size, checkpoint_every_n_tokens):
+                    allow_neg_eigval, safe_gate, lower_bound, state_v_first, chunk_size, checkpoint_every_n_tokens,
+                    pipeline=None):
     o = v.new_empty(v.shape)
     return _fake_outputs(o, q, k, v, g, beta, cu_seqlens, output_final_state, state_v_first)
 
@@ -145,7 +148,8 @@ def _chunk_kda_backward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            cu_seqlens_cpu: Tensor | None, do: Tensor, dht: Tensor | None, scale: float | None,
                            use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
                            allow_neg_eigval: bool, safe_gate: bool, lower_bound: float | None, state_v_first: bool,
-                           chunk_size: int | None, checkpoint_every_n_tokens: int | None
+                           chunk_size: int | None, checkpoint_every_n_tokens: int | None,
+                           pipeline: str | None = None
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     needed = _grads_needed(A_log, dt_bias, initial_state, use_gate_in_kernel)
@@ -158,7 +162,7 @@ def _chunk_kda_backward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu, A_log=leaves[5], dt_bias=leaves[6], chunk_size=chunk_size,
-            checkpoint_every_n_tokens=checkpoint_every_n_tokens)
+            checkpoint_every_n_tokens=checkpoint_every_n_tokens, pipeline=pipeline)
         outs, cots = [o], [do]
         if dht is not None:
             outs.append(final)
@@ -208,14 +212,14 @@ def _chunk_kda_pool_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                        use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
                        allow_neg_eigval: bool, safe_gate: bool, lower_bound: float | None, state_v_first: bool,
                        chunk_size: int | None, checkpoint_every_n_tokens: int | None,
-                       check_indices: bool) -> tuple[Tensor, Tensor]:
+                       check_indices: bool, pipeline: str | None = None) -> tuple[Tensor, Tensor]:
     o, final = chunk_kda(
         q, k, v, g, beta, scale=scale, initial_state=state_pool, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
         lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size, checkpoint_every_n_tokens=checkpoint_every_n_tokens,
-        state_indices=state_indices, check_indices=check_indices)
+        pipeline=pipeline, state_indices=state_indices, check_indices=check_indices)
     return o, (final if final is not None else _absent(q))
 
 

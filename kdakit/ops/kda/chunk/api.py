@@ -151,9 +151,6 @@ def chunk_kda(
         raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
     chunk64 = pipeline in ("chunk64", "chunk64_fast")
     if torch.compiler.is_compiling():
-        if pipeline is not None:
-            raise ValueError(f"pipeline={pipeline!r} is not yet registered as a custom op for torch.compile; "
-                             "pass pipeline=None under torch.compile")
         # torch.compile traces the registered op torch.ops.kdakit.chunk_kda, not this Python (compiled.py)
         return chunk_kda_via_op(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -163,7 +160,8 @@ def chunk_kda(
             return_intermediate_states=return_intermediate_states, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs,
             A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size, checkpoint_every_n_tokens=checkpoint_every_n_tokens,
-            state_indices=state_indices, transpose_state_layout=transpose_state_layout, check_indices=check_indices)
+            state_indices=state_indices, transpose_state_layout=transpose_state_layout, check_indices=check_indices,
+            pipeline=pipeline)
     fla_opts = {"disable_recompute": disable_recompute, "use_graph": use_graph, "max_num_seqs": max_num_seqs}
     for name, default in _UNSUPPORTED_FLA_OPTIONS.items():
         if fla_opts[name] != default:
