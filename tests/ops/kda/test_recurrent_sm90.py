@@ -9,15 +9,10 @@ build. Built without a GPU (Triton's own LLVM and ptxas) in a process without TR
 configs the launchers use (K = V = 128, bf16 tokens, fp32 states).
 """
 
-import re
-
-from ._sm90_build import run_sm90_build
+from ._sm90_build import read_reports, run_sm90_build
 
 BUILD = """
-import os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from tests.ops.kda._sm90_build import print_reports, sm90_report
 import kdakit.ops.kda.recurrent_backward_kernels as B
 import kdakit.ops.kda.recurrent_forward as R
 
@@ -27,49 +22,34 @@ PTR.update({n: "*fp32" for n in ("A_log", "dt_bias", "h0", "ht", "dht", "dh0", "
 PTR.update(state_indices="*i32", num_accepted="*i32", cu_seqlens="*i64")
 
 
-def ptxas_report(fn, const, warps, out_type):
-    types = dict(PTR, out=out_type)
-    sig = {n: "constexpr" if n in const else types.get(n, "fp32" if n in ("scale", "lower_bound") else "i32")
-           for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
-                    attrs=attrs)
-    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(kern.asm["ptx"])
-        return subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                              capture_output=True, text=True).stderr
+def report(fn, const, warps, out_type):
+    types = dict(PTR, out=out_type, scale="fp32", lower_bound="fp32")
+    scalars = [n for n in fn.arg_names if not types.get(n, "i32").startswith("*")]  # hints on the pointers only
+    return sm90_report(fn, types, const, warps, 1, unaligned=scalars)
 
 
+out = {}
 GATE = dict(L2NORM=True, GATE=2, HAS_A=True, HAS_BIAS=True, BETA=1)
-for name, out, write, v_first, out_type, bv, warps in (
+for name, o, write, v_first, out_type, bv, warps in (
         ("forward o + final state", R.OUT_O, R.WRITE_FINAL_TO_READ_ROW, False, "*bf16", R.FWD_BLOCK_V, R.FWD_NUM_WARPS),
         ("forward o, value-first", R.OUT_O, R.WRITE_FINAL_TO_READ_ROW, True, "*bf16", R.FWD_BLOCK_V, R.FWD_NUM_WARPS),
         ("u replay", R.OUT_U, R.WRITE_NONE, False, "*fp32", B.BWD_BLOCK_V, R.FWD_NUM_WARPS),
         ("segment checkpoint", R.OUT_NONE, R.WRITE_FINAL_TO_READ_ROW, False, "*fp32", B.BWD_BLOCK_V, R.FWD_NUM_WARPS)):
     const = dict(H=16, HV=16, K=128, V=128, IDX_COLS=1, BK=128, BV=bv, HAS_INDICES=False, USE_H0=True, WRITE=write,
-                 OUT=out, HAS_ACCEPTED=False, ROUND_STATE=False, ROUND_STORE=False, STATE_V_FIRST=v_first,
+                 OUT=o, HAS_ACCEPTED=False, ROUND_STATE=False, ROUND_STORE=False, STATE_V_FIRST=v_first,
                  IS_VARLEN=True, NATIVE_ROUND=True, **GATE)
-    print("REPORT", name, "|", ptxas_report(R._recurrent_kernel, const, warps, out_type).replace(chr(10), " "))
+    out[name] = report(R._recurrent_kernel, const, warps, out_type)
 const = dict(H=16, HV=16, K=128, V=128, BK=128, BV=B.BWD_BLOCK_V, USE_H0=True, HAS_DHT=True, IS_VARLEN=True,
              STATE_V_FIRST=False, **GATE)
-print("REPORT", "state replay", "|", ptxas_report(B._recurrent_bwd_replay_kernel, const, B.BWD_NUM_WARPS,
-                                                  "*fp32").replace(chr(10), " "))
+out["state replay"] = report(B._recurrent_bwd_replay_kernel, const, B.BWD_NUM_WARPS, "*fp32")
+print_reports(out)
 """
 
 NAMES = {"forward o + final state", "forward o, value-first", "u replay", "segment checkpoint", "state replay"}
 
 
 def test_recurrence_training_paths_build_for_sm90_without_spills():
-    stdout = run_sm90_build(BUILD)
-    reports = dict(re.findall(r"^REPORT (.+?) \| (.*)$", stdout, flags=re.M))
-    assert set(reports) == NAMES, stdout
-    for name, rep in reports.items():
-        regs = re.search(r"Used (\d+) registers", rep)
-        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
-        assert regs and spill, f"{name}: no ptxas report: {rep[-500:]}"
-        print(f"{name}: {regs.group(1)} registers, spill stores / loads {spill.group(1)} / {spill.group(2)} B")
-        assert spill.groups() == ("0", "0"), f"{name}: the state tile spills: {rep[-500:]}"
+    reports = read_reports(run_sm90_build(BUILD))
+    assert set(reports) == NAMES, reports
+    for name, r in reports.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name}: the state tile spills: {r}"

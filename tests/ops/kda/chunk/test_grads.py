@@ -17,7 +17,7 @@ from kdakit.ops.kda.chunk.plan import chunk_table_rows
 from kdakit.ops.kda.chunk.tiles import CHUNK
 from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND, GATE_NONE, GATE_SOFTPLUS, LOG_DECAY_FLOOR
 from kdakit.ops.kda.options import kda_options
-from tests.ops.kda._sm90_build import run_sm90_build
+from tests.ops.kda._sm90_build import read_reports, run_sm90_build
 
 C = CHUNK
 F64 = torch.float64
@@ -212,11 +212,8 @@ def test_grads_wy_rejects_bad_arguments():
 
 
 SM90_SCRIPT = """
-import os, re, subprocess, tempfile
 from concurrent.futures import ProcessPoolExecutor
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from tests.ops.kda._sm90_build import print_reports, sm90_report
 import kdakit.ops.kda.chunk.grads as M
 
 TOK = {"k", "v", "do", "dv", "tinv", "qg", "kd", "u", "h", "dh"}
@@ -228,43 +225,26 @@ VARIANTS = [(name, dtype, gop, prec) for name in ("chunk_grads_wy_kernel", "chun
 def build(variant):
     name, dtype, gop, prec = variant
     fn = getattr(M, name)
+    kind = "bf16" if gop == 1 else "fp32"
     blocks = M.GRADS_WY_BLOCKS if name == "chunk_grads_wy_kernel" else M.GRADS_WY_DV_BLOCKS
-    BK, BV = blocks["bf16" if gop == 1 else "fp32"]
+    BK, BV = blocks[kind]
     const = dict(K=128, V=128, C=64, BK=BK, BV=BV, GRAD_OP=gop, GRAD_PREC=prec)
-    sig = {n: ("constexpr" if n in const else "*" + dtype if n in TOK else "*fp32" if n in F32
-               else "*i32" if n == "table" else "fp32" if n == "scale" else "i32") for n in fn.arg_names}
-    # what the JIT specializes at the production shapes: pointers and strides divisible by 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n] not in ("constexpr", "fp32") and n not in ("H", "HV")}
-    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=M.GRADS_WY_NUM_WARPS,
-                                       num_stages=M.GRADS_WY_NUM_STAGES if name == "chunk_grads_wy_kernel"
-                                       else M.GRADS_WY_DV_STAGES["bf16" if gop == 1 else "fp32"]))
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(kern.asm["ptx"])
-        rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True).stderr
-    regs = re.search(r"Used (\\d+) registers", rep).group(1)
-    spill = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", rep)
-    return f"{name} {dtype} {regs} {spill.group(1)} {spill.group(2)}"
+    types = dict({n: "*" + dtype for n in TOK}, **{n: "*fp32" for n in F32}, table="*i32", scale="fp32")
+    stages = M.GRADS_WY_NUM_STAGES if name == "chunk_grads_wy_kernel" else M.GRADS_WY_DV_STAGES[kind]
+    # what the JIT specializes at the production shapes: pointers and strides divisible by 16 (not H, HV)
+    return f"{name} {dtype}", sm90_report(fn, types, const, M.GRADS_WY_NUM_WARPS, stages, unaligned=("H", "HV"))
 
 
 if __name__ == "__main__":
     with ProcessPoolExecutor(2) as pool:
-        for line in pool.map(build, VARIANTS):
-            print(line)
+        print_reports(dict(pool.map(build, VARIANTS)))
 """
 
 
 def test_grads_wy_kernels_build_for_sm90_without_spills():
-    lines = run_sm90_build(SM90_SCRIPT).split("\n")
-    rows = [line.split() for line in lines if line.startswith("chunk_grads_wy")]
-    assert len(rows) == 4, lines
-    for name, dtype, regs, stores, loads in rows:
-        assert int(stores) == 0 and int(loads) == 0, f"{name} ({dtype}) spills: {stores} B stores, {loads} B loads"
-        assert int(regs) <= (255 if GRADS_WY_NUM_WARPS <= 4 else 128), f"{name} ({dtype}): {regs} registers"
+    reports = read_reports(run_sm90_build(SM90_SCRIPT))
+    assert len(reports) == 4 and all(key.startswith("chunk_grads_wy") for key in reports), reports
+    for key, r in reports.items():
+        stores, loads, regs = r["spill_stores"], r["spill_loads"], r["regs"]
+        assert stores == 0 and loads == 0, f"{key} spills: {stores} B stores, {loads} B loads"
+        assert regs <= (255 if GRADS_WY_NUM_WARPS <= 4 else 128), f"{key}: {regs} registers"

@@ -11,7 +11,6 @@ every variant checks registers and spills.
 """
 
 import math
-import re
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from kdakit.ops.kda.chunk.tiles import CHUNK
 from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.validate import KDAShape
 
-from .._sm90_build import run_sm90_build
+from .._sm90_build import read_reports, run_sm90_build
 
 C = CHUNK
 
@@ -178,63 +177,35 @@ def test_grads_intra_rejects_bad_arguments():
 
 
 BUILD = """
-import os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from tests.ops.kda._sm90_build import print_reports, sm90_report
 import kdakit.ops.kda.chunk.grads_intra as M
 from kdakit.ops.kda.backend import dot_precision
 from kdakit.ops.kda.chunk.tiles import CHUNK, SUB
 import torch
 
 fn = M.chunk_grads_intra_kernel
+out = {}
 for safe in (False, True):
     for dtype in (torch.bfloat16, torch.float32):
         const = dict(K=128, BK=M.GRADS_INTRA_BLOCK_K, C=CHUNK, SUBC=SUB, SAFE=safe, OP_BF16=dtype != torch.float32,
                      EMULATE_BF16=False, DOT_PREC=dot_precision(dtype))
         tok = "*bf16" if dtype == torch.bfloat16 else "*fp32"
-        sig = {}
-        for n in fn.arg_names:
-            if n in const:
-                sig[n] = "constexpr"
-            elif n in ("q", "k"):
-                sig[n] = tok
-            elif n == "table":
-                sig[n] = "*i32"
-            elif n in ("gc", "bt", "rq", "rk", "daqk", "dakk", "dqh", "dkh", "dgs", "dbs"):
-                sig[n] = "*fp32"
-            else:
-                sig[n] = "fp32" if n == "scale" else "i32"
+        types = dict(q=tok, k=tok, table="*i32", scale="fp32",
+                     **{n: "*fp32" for n in ("gc", "bt", "rq", "rk", "daqk", "dakk", "dqh", "dkh", "dgs", "dbs")})
         # what the JIT specializes at real shapes: pointers and strides multiples of 16
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if sig[n] not in ("constexpr", "fp32")}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v for c, v in const.items()},
-                        attrs=attrs)
-        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=M.GRADS_INTRA_NUM_WARPS["fp32" if dtype == torch.float32 else "bf16"],
-                                           num_stages=M.GRADS_INTRA_NUM_STAGES))
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.ptx")
-            with open(path, "w") as f:
-                f.write(kern.asm["ptx"])
-            rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                                 capture_output=True, text=True).stderr
-        print("REPORT", f"SAFE={safe} {dtype}", "|", rep.replace(chr(10), " "))
+        out[f"SAFE={safe} {dtype}"] = sm90_report(
+            fn, types, const, M.GRADS_INTRA_NUM_WARPS["fp32" if dtype == torch.float32 else "bf16"],
+            M.GRADS_INTRA_NUM_STAGES)
+print_reports(out)
 """
 
 
 def test_grads_intra_builds_for_sm90_without_spills():
     from kdakit.ops.kda.chunk.grads_intra import GRADS_INTRA_NUM_WARPS
 
-    stdout = run_sm90_build(BUILD)
-    reports = dict(re.findall(r"^REPORT (.+?) \| (.*)$", stdout, flags=re.M))
-    assert len(reports) == 4, stdout
+    reports = read_reports(run_sm90_build(BUILD))
+    assert len(reports) == 4, reports
     budget = 255 if max(GRADS_INTRA_NUM_WARPS.values()) <= 4 else 128
-    for name, rep in reports.items():
-        regs = re.search(r"Used (\d+) registers", rep)
-        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
-        assert regs and spill, f"{name}: no ptxas report: {rep[-500:]}"
-        print(f"{name}: {regs.group(1)} registers, spill stores / loads {spill.group(1)} / {spill.group(2)} B")
-        assert spill.groups() == ("0", "0"), f"{name}: spills: {rep[-500:]}"
-        assert int(regs.group(1)) <= budget, f"{name}: {regs.group(1)} registers"
+    for name, r in reports.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name}: spills: {r}"
+        assert r["regs"] <= budget, f"{name}: {r['regs']} registers"

@@ -17,7 +17,7 @@ from kdakit.ops.kda.chunk.plan import chunk_table, chunk_table_rows
 from kdakit.ops.kda.chunk.tiles import CHUNK, SUB
 from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND, GATE_NONE, GATE_SOFTPLUS, LOG_DECAY_FLOOR
 from kdakit.ops.kda.preprocess import kda_gate, l2norm_rstd
-from tests.ops.kda._sm90_build import run_sm90_build
+from tests.ops.kda._sm90_build import read_reports, run_sm90_build
 
 C = CHUNK
 
@@ -206,67 +206,36 @@ def test_run_intra_rejects_bad_arguments():
 
 
 BUILD_SCRIPT = r"""
-import os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from tests.ops.kda._sm90_build import print_reports, sm90_report
 import kdakit.ops.kda.chunk.intra as M
 
 PTR = {"table": "*i32", "gc": "*fp32", "bt": "*fp32", "rq": "*fp32", "rk": "*fp32", "akk_d": "*fp32"}
-
-
-def build(fn, const, warps, tok):
-    sig = {}
-    for name in fn.arg_names:
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in PTR:
-            sig[name] = PTR[name]
-        elif name in ("q", "k", "aqk", "tinv"):
-            sig[name] = "*" + tok
-        elif name == "scale":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    # what the JIT specializes at K = 128, H = HV = 96 (pointers 16-byte aligned, strides and head counts multiples
-    # of 16)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if sig[name] not in ("constexpr", "fp32")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
-                    attrs=attrs)
-    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(kern.asm["ptx"])
-        rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True).stderr
-    regs = re.search(r"Used (\d+) registers", rep).group(1)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
-    print(fn.__name__, tok, warps, regs, int(spill.group(1)) + int(spill.group(2)))
-
-
+out = {}
+# every pointer, stride and head count divisibility-16, as the JIT specializes them at K = 128, H = HV = 96
 for tok in ("bf16", "fp32"):  # fp16 builds the bf16 code (bf16 operands) on fp16 pointers
-    build(M.chunk_intra_diag_kernel, dict(K=128, BK=128, BH=M.DIAG_BLOCK_H, C=64, SB=16, ROUND=False),
-          M.DIAG_NUM_WARPS, tok)
-    build(M.chunk_intra_solve_kernel, dict(K=128, BK=M.solve_block_k(tok != "fp32", 128), C=64, SB=16,
-                                           OP_BF16=tok != "fp32", EMULATE_BF16=False,
-                                           DOT_PREC="tf32x3" if tok == "fp32" else "tf32", INV_PREC="tf32x3",
-                                           ROUND=False), M.SOLVE_NUM_WARPS["fp32" if tok == "fp32" else "bf16"], tok)
+    types = dict(PTR, **{n: "*" + tok for n in ("q", "k", "aqk", "tinv")}, scale="fp32")
+    fn, warps = M.chunk_intra_diag_kernel, M.DIAG_NUM_WARPS
+    out[f"{fn.__name__} {tok}"] = dict(sm90_report(fn, types, dict(K=128, BK=128, BH=M.DIAG_BLOCK_H, C=64, SB=16,
+                                                                   ROUND=False), warps), warps=warps)
+    fn, warps = M.chunk_intra_solve_kernel, M.SOLVE_NUM_WARPS["fp32" if tok == "fp32" else "bf16"]
+    out[f"{fn.__name__} {tok}"] = dict(sm90_report(fn, types, dict(
+        K=128, BK=M.solve_block_k(tok != "fp32", 128), C=64, SB=16, OP_BF16=tok != "fp32", EMULATE_BF16=False,
+        DOT_PREC="tf32x3" if tok == "fp32" else "tf32", INV_PREC="tf32x3", ROUND=False), warps), warps=warps)
+print_reports(out)
 """
 
 
 def test_kernels_build_for_sm90_without_spills():
     """Both kernels, 16-bit and fp32 inputs, at the launcher's configs (K = 128): no spills, registers within
     the budget of their warp count (<= 255 at 1-4 warps)."""
-    out = run_sm90_build(BUILD_SCRIPT)
-    lines = [line.split() for line in out.strip().splitlines()]
-    assert len(lines) == 4, out
-    for name, tok, warps, regs, spill in lines:
-        assert int(warps) in (DIAG_NUM_WARPS, *SOLVE_NUM_WARPS.values()) and int(warps) <= 4
+    reports = read_reports(run_sm90_build(BUILD_SCRIPT))
+    assert len(reports) == 4, reports
+    for key, r in reports.items():
+        name, tok = key.split()
+        assert r["warps"] in (DIAG_NUM_WARPS, *SOLVE_NUM_WARPS.values()) and r["warps"] <= 4
         budget = SOLVE_SPILL_BUDGET[tok] if name == chunk_intra_solve_kernel.__name__ else 0
-        assert int(spill) <= budget, f"{name} {tok}: {spill} bytes of spill (budget {budget})"
-        assert int(regs) <= 255, f"{name} {tok}: {regs} registers"
-    assert {line[0] for line in lines} == {chunk_intra_diag_kernel.__name__, chunk_intra_solve_kernel.__name__}
+        spill = r["spill_stores"] + r["spill_loads"]
+        assert spill <= budget, f"{name} {tok}: {spill} bytes of spill (budget {budget})"
+        assert r["regs"] <= 255, f"{name} {tok}: {r['regs']} registers"
+    assert {key.split()[0] for key in reports} == {chunk_intra_diag_kernel.__name__, chunk_intra_solve_kernel.__name__}
     assert solve_block_k(True, 128) >= 16

@@ -5,7 +5,6 @@ heads, strided token views, bf16 / fp32 inputs and every gate mode; the launcher
 builds of every kernel variant (registers, no spills)."""
 
 import math
-import re
 from dataclasses import dataclass
 
 import pytest
@@ -17,7 +16,7 @@ from kdakit.ops.kda.chunk.plan import chunk_table, chunk_table_rows
 from kdakit.ops.kda.chunk.prep import run_prep, run_wu
 from kdakit.ops.kda.options import kda_options
 
-from .._sm90_build import run_sm90_build
+from .._sm90_build import read_reports, run_sm90_build
 
 pytestmark = pytest.mark.skipif(not triton_interpreting(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
 C = 64
@@ -318,43 +317,22 @@ def test_launcher_errors_name_the_argument():
 # sm_90a builds
 # ---------------------------------------------------------------------------------------
 
-# A build script's helper (run in a child process without TRITON_INTERPRET): ASTSource with explicit pointer
-# types and the JIT's divisibility-16 hints on pointers and on the strides that are multiples of 16 at the
-# docs/spec.md §3 shapes (H = HV = 96 or 24 with HV = 96, K = V = 128), GPUTarget("cuda", 90, 32), ptxas -v.
-BUILD_HELPER = r'''
-import os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+# A build script's prelude (run in a child process without TRITON_INTERPRET; test_finish.py's script shares it):
+# build() is tests/ops/kda/_sm90_build.py's sm90_report, with the JIT's divisibility-16 hints on pointers and on
+# the strides that are multiples of 16 at the docs/spec.md §3 shapes (H = HV = 96 or 24 with HV = 96, K = V = 128),
+# one stage, each report printed as it is built.
+BUILD_HELPER = r"""
+from tests.ops.kda._sm90_build import print_reports, sm90_report
 
 def build(fn, types, const, warps, unaligned=()):
-    sig, attrs = {}, {}
-    for i, n in enumerate(fn.arg_names):
-        if n in const:
-            sig[n] = "constexpr"
-            continue
-        sig[n] = types.get(n, "i32")
-        if n not in unaligned and sig[n] != "fp32":
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
-                    attrs=attrs)
-    kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(kern.asm["ptx"])
-        rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True).stderr
-    regs = int(re.search(r"Used (\d+) registers", rep).group(1))
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
-    stack = re.search(r"(\d+) bytes stack frame", rep)
     flags = ",".join(f"{k}={v}" for k, v in const.items() if k != "C")
-    print(f"BUILD {fn.__name__} {flags} warps={warps} regs={regs} "
-          f"spill={int(spill.group(1)) + int(spill.group(2))} stack={int(stack.group(1)) if stack else 0}")
-'''
+    name = f"{build.n} {fn.__name__} k={types.get('k')} {flags}"
+    build.n += 1
+    print_reports({name: dict(sm90_report(fn, types, const, warps, 1, unaligned), warps=warps)})
+build.n = 0
+"""
 
-PREP_BUILD = BUILD_HELPER + r'''
+PREP_BUILD = BUILD_HELPER + r"""
 import kdakit.ops.kda.chunk.prep as P
 tok = {n: "*bf16" for n in ("q", "k", "v", "g", "beta", "tinv", "w", "u", "qg", "kd")}
 f32 = {n: "*fp32" for n in ("A_log", "dt_bias", "gc", "bt", "rq", "rk")}
@@ -374,18 +352,16 @@ for dt, prec in (("*bf16", "tf32"), ("*fp16", "tf32"), ("*fp32", "tf32x3")):
     blk, warps = P.WU_CONFIG["fp32" if dt == "*fp32" else "bf16"]
     build(P.chunk_wu_kernel, t, dict(HV=96, K=128, V=128, C=64, BK=blk, BV=blk, GROUP=1,
           OP_BF16=dt != "*fp32", EMULATE_BF16=False, INTERPRETED=False, DOT_PREC=prec), warps)
-'''
+"""
 
 
 def check_builds(stdout: str, n_expected: int, warps_limit: dict) -> None:
-    """Every BUILD line: no spills, no stack, registers within the budget of its warp count."""
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("BUILD ")]
-    assert len(lines) == n_expected, stdout
-    for ln in lines:
-        m = re.search(r"warps=(\d+) regs=(\d+) spill=(\d+) stack=(\d+)", ln)
-        warps, regs, spill, stack = (int(x) for x in m.groups())
-        assert spill == 0 and stack == 0, ln
-        assert regs <= warps_limit.get(warps, 255), ln
+    """Every build: no spills, no stack, registers within the budget of its warp count."""
+    reports = read_reports(stdout)
+    assert len(reports) == n_expected, stdout
+    for name, r in reports.items():
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, (name, r)
+        assert r["regs"] <= warps_limit.get(r["warps"], 255), (name, r)
 
 
 def test_prep_and_wu_build_for_sm90_without_spills():
