@@ -180,6 +180,8 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"norm_eps must be a positive float, got {norm_eps!r}")
         if pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+        if pipeline is not None and mode != "chunk":
+            raise ValueError(f"pipeline selects the chunk op's kernels: it needs mode='chunk', got mode={mode!r}")
 
         self.hidden_size = hidden_size
         self.expand_v = expand_v

@@ -70,3 +70,5 @@ def test_layer_checks_its_pipeline():
     with pytest.raises(ValueError, match="pipeline must be one of"):
         KimiDeltaAttention(hidden_size=64, head_dim=16, num_heads=2, pipeline="fast")
     assert KimiDeltaAttention(hidden_size=64, head_dim=16, num_heads=2, pipeline="chunk64").pipeline == "chunk64"
+    with pytest.raises(ValueError, match="mode='chunk'"):
+        KimiDeltaAttention(hidden_size=64, head_dim=16, num_heads=2, mode="fused_recurrent", pipeline="chunk64")
