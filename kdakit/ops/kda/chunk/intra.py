@@ -50,8 +50,8 @@ DIAG_NUM_WARPS = 4
 SOLVE_BLOCK_K = 32  # key channels per step of the off-diagonal dots, 16-bit inputs (bf16 operands)
 SOLVE_BLOCK_K_FP32 = 16  # fp32 inputs (3xTF32 operands: 32 takes 238 sm_90a registers, 16 takes 180)
 SOLVE_NUM_WARPS = {"bf16": 2, "fp32": 4}  # by operand kind
-# The bf16 solve kernel keeps a small spill at 2 warps (sm_90a ptxas: ~300 B): on the H200 at 1 x 8K H96 it ran
-# 0.94 ms a call against 1.44 at 4 warps without spills (benchmarks/results/dev_tune64_softplus_h200*.json).
+# The bf16 solve kernel keeps a small spill at 2 warps (sm_90a ptxas: ~300 B): measured on the H200 it is faster
+# than the spill-free 4-warp build (docs/perf_notes.md, "Launch configs").
 SOLVE_SPILL_BUDGET = {"bf16": 320, "fp32": 0}  # bytes of spill stores + loads the build test allows
 
 
