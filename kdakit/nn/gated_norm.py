@@ -13,12 +13,19 @@ whatever the sequence length, as FLA's fused kernel. The math (fp32, float64 for
     d_gate = d_out * y * w * s * (1 - s)
     d_w    = sum_rows d_out * y * s
     d_x    = rstd * (d_y - y * mean(d_y * y)),  d_y = d_out * w * s
+
+Backends: CUDA tensors run the Triton kernels of ``kdakit/nn/gated_norm_triton.py`` (fp16 / bf16 /
+fp32; a float64 CUDA tensor raises ``TypeError``), unless ``KDAKIT_BACKEND=torch``; CPU tensors run
+the PyTorch code here, the kernels' reference twin (float64 included). Both save x, gate and rstd.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from kdakit.nn.gated_norm_triton import gated_rmsnorm_triton
+from kdakit.ops.kda.backend import requested_backend
 
 # Rows (vectors of the normalized dimension) per block: 64K rows of 128 fp32 values are 32 MiB
 # per temporary.
@@ -77,7 +84,8 @@ class _GatedRMSNormFn(torch.autograd.Function):
 
 class GatedRMSNorm(nn.Module):
     """``rmsnorm(x) * weight * sigmoid(gate)`` over the last dimension in fp32 (float64 for
-    float64 inputs); the output has x's dtype. See the module docstring for its memory."""
+    float64 inputs on the PyTorch path); the output has x's dtype. The Triton kernels run for
+    CUDA tensors (unless ``KDAKIT_BACKEND=torch``). See the module docstring for its memory."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -90,6 +98,8 @@ class GatedRMSNorm(nn.Module):
                              f"{list(x.shape)} and {list(gate.shape)}")
         if gate.dtype != x.dtype:
             gate = gate.to(x.dtype)   # under autocast the two projections may differ; the output has x's dtype
+        if x.device.type == "cuda" and requested_backend() != "torch":
+            return gated_rmsnorm_triton(x, gate, self.weight, self.eps)
         return _GatedRMSNormFn.apply(x, gate, self.weight, self.eps)
 
 

@@ -7,16 +7,16 @@ Per row of D values (fp32 math; ``w`` the weight, ``s = sigmoid(gate)``)::
     d_w    = sum_rows d_out * y * s
     d_x    = rstd * (d_y - y * mean(d_y * y)),  d_y = d_out * w * s
 
-The forward saves nothing T-sized but ``rstd`` (fp32, one per row); the backward reads x, gate, rstd and d_out.
-d_w is reduced deterministically: each backward program sums its rows into fp32 registers and writes one row of
-an ``[S, D]`` partial buffer, summed by ``torch.sum`` afterwards.
+For backward the forward saves its inputs x and gate and the per-row ``rstd`` (fp32): no fp32 copy of a
+row-sized intermediate. d_w is reduced deterministically: each backward program sums its rows' terms into fp32
+registers and writes one row of an ``[S, D]`` partial buffer, summed by ``torch.sum`` afterwards.
 
-Layouts: x and gate ``[..., D]``, each viewable as ``[R, D]`` rows (a ``view``, no copy; ``ValueError`` otherwise)
-and read through that view's row and column strides; d_out the same, except that a gradient whose layout has no
-row view (autograd picks it, not the caller) is copied once by ``reshape``; out, d_x, d_gate come back contiguous in x's shape and dtype (d_gate in
-gate's), rstd fp32 ``[R]``, d_w in the weight's dtype. fp16 / bf16 / fp32 (float64 is the PyTorch path's:
-``TypeError``), on one CUDA device (CPU tensors only under ``TRITON_INTERPRET=1``). Limits: D <= MAX_DIM (one
-row is one register tile).
+Layouts: x and gate ``[..., D]``, each viewable as ``[R, D]`` rows (a ``view``, no copy; ``ValueError``
+otherwise) and read through that view's row and column strides; d_out the same, except that a gradient whose
+layout has no row view (autograd picks it, not the caller) is copied once by ``reshape``. out and d_x come back
+contiguous in x's shape and dtype, d_gate in gate's, rstd fp32 ``[R]``, d_w in the weight's dtype (unit stride
+required). fp16 / bf16 / fp32 (float64 is the PyTorch path's: ``TypeError``), on one CUDA device (CPU tensors
+only under ``TRITON_INTERPRET=1``). Limits: 1 <= D <= MAX_DIM (a row block is one register tile).
 """
 
 from __future__ import annotations

@@ -5,12 +5,16 @@ from before the token's sequence start is read from a caller-given left context 
 W-1]``, oldest first) or is zero. ``act`` is SiLU (as FLA's ``ShortConvolution(...,
 activation="silu")``) or the identity.
 
-The convolution itself is one ``F.conv1d(groups=C)`` over a buffer in which every sequence is
-preceded by its ``W-1`` context columns, so no output reads across a ``cu_seqlens`` boundary.
-Memory: the autograd function saves only ``x`` (plus the weight, bias and the small context);
-the padded buffer and the pre-activation are transient and are rebuilt in backward. A version
-that sums ``W`` shifted, masked copies of ``x`` under autograd would keep ``W-1`` T-sized copies
-alive until backward.
+Backends: CUDA tensors run the Triton kernels of ``kdakit/nn/short_conv_triton.py`` (fp16 / bf16 /
+fp32; a float64 CUDA tensor raises ``TypeError``), unless ``KDAKIT_BACKEND=torch``; CPU tensors run
+the PyTorch code here, the kernels' reference twin (float64 included). Both save only ``x`` (plus the
+weight, bias and the small context) for backward and recompute the pre-activation there.
+
+The PyTorch code: one ``F.conv1d(groups=C)`` over a buffer in which every sequence is preceded by
+its ``W-1`` context columns, so no output reads across a ``cu_seqlens`` boundary. The padded buffer
+and the pre-activation are transient and are rebuilt in backward under autograd. A version that
+sums ``W`` shifted, masked copies of ``x`` under autograd would keep ``W-1`` T-sized copies alive
+until backward.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from kdakit.nn.short_conv_triton import short_conv_triton
+from kdakit.ops.kda.backend import requested_backend
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -93,7 +100,8 @@ def short_conv(
     cu_seqlens: torch.Tensor | None = None,
     context: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal depthwise convolution (see the module docstring), differentiable in x, weight, bias.
+    """Causal depthwise convolution (see the module docstring), differentiable in x, weight, bias: the
+    Triton kernels for CUDA tensors (unless ``KDAKIT_BACKEND=torch``), the PyTorch code for CPU tensors.
 
     Args:
         x: ``[B, T, C]``; with ``cu_seqlens`` B must be 1.
@@ -122,6 +130,8 @@ def short_conv(
         raise ValueError(f"cu_seqlens must be on x's device {x.device}, got {cu_seqlens.device}")
     if context is not None and tuple(context.shape) != (N, C, W - 1):
         raise ValueError(f"context must have shape [N, C, W-1] = [{N}, {C}, {W - 1}], got {list(context.shape)}")
+    if x.device.type == "cuda" and requested_backend() != "torch":
+        return short_conv_triton(x, weight, bias, activation, cu_seqlens, context)
     act = None if activation is None else "silu"
     return _ShortConvFn.apply(x, weight, bias, act, cu_seqlens, None if context is None else context.detach())
 

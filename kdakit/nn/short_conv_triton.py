@@ -14,20 +14,27 @@ Backward, with ``dpre = dy * silu'(pre)`` (``dy`` without an activation) and ``p
     dw[c, W-1-j]    = sum_t dpre[t, c] * src(t - j, c)
     dbias[c]        = sum_t dpre[t, c]
 
-The context is not differentiated. dw and dbias are reduced deterministically: each backward program sums its
-token tiles into fp32 registers and writes one row of a ``[S, W, C]`` (and ``[S, C]``) partial buffer; the S rows
-are summed by ``torch.sum`` afterwards.
+The context is not differentiated. The forward reads W source tiles per [BT, BC] output tile; the backward reads
+the 2W-1 source tiles src(t-W+1) .. src(t+W-1) and the W gradient tiles dy(t) .. dy(t+W-1) of each tile once,
+recomputes pre at the W shifts from them, and accumulates the dw / dbias terms elementwise in fp32 registers
+over its run of tiles. dw and dbias are reduced deterministically: each backward program writes one row of a
+``[S, W, C]`` (and ``[S, C]``) partial buffer, whose S rows are summed by ``torch.sum`` afterwards.
 
-Layouts: x, dy ``[B, T, C]`` read through their three strides (any, none required to be unit); with
-``cu_seqlens`` (int32 / int64 ``[N + 1]`` on x's device) B = 1 and sequence n holds packed tokens
-``cu[n] .. cu[n+1]``, located per token by a binary search over ``cu_seqlens`` inside the kernels (no host read
-of the offsets). weight ``[C, 1, W]`` or ``[C, W]``, bias ``[C]``, context ``[N, C, W-1]``: any strides.
-y and dx come back contiguous ``[B, T, C]`` in x's dtype, dweight / dbias in their parameters' dtypes.
-Tensors fp16 / bf16 / fp32 (float64 is the PyTorch path's: ``TypeError``), on one CUDA device (CPU tensors
-only under ``TRITON_INTERPRET=1``).
+Layouts: x, dy ``[B, T, C]`` read through their three strides (none required to be unit; a unit channel stride,
+as the layer's Linear outputs have, gives vector loads); with ``cu_seqlens`` (int32 / int64 ``[N + 1]`` on x's
+device) B = 1 and sequence n holds packed tokens ``cu[n] .. cu[n+1]``, located per token by a binary search
+over ``cu_seqlens`` inside the kernels (no host read of the offsets). weight ``[C, 1, W]`` or ``[C, W]`` and
+bias ``[C]``: any strides. The context ``[N, C, W-1]`` is read as ``[N, W-1, C]`` rows of channels, like x's
+rows, so that a window reaching before a sequence start is one load per tap: ``context_rows`` gives that
+layout as a view when the context's channel stride is 1 and as a transposed copy otherwise (N (W-1) C
+elements; FLA's conv-state layout ``[N, C, W-1]`` has channel stride W-1), once per forward, kept for the
+backward. y and dx come back contiguous ``[B, T, C]`` in x's dtype, dweight / dbias in their parameters'
+dtypes. Tensors fp16 / bf16 / fp32 (float64 is the PyTorch path's: ``TypeError``), on one CUDA device (CPU
+tensors only under ``TRITON_INTERPRET=1``).
 
-Limits: 1 <= W <= MAX_WIDTH (the taps are unrolled, W * W tile loads per backward tile). The backward saves
-x, the weight, the bias and the context only; the pre-activation is recomputed (nothing T-sized is kept).
+Limits: 1 <= W <= MAX_WIDTH (the taps are unrolled and the backward holds 2W-1 source tiles in registers; the
+sm_90a build test checks W = 4). The backward saves x, the weight, the bias and the context rows only; the
+pre-activation is recomputed (nothing T-sized is kept).
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ BWD_NUM_WARPS = 4
 # The backward grid is [channel blocks, S]: S programs per channel block, each summing a contiguous run of
 # token tiles into its dw / dbias partial row; S is chosen so the grid holds about BWD_TARGET_PROGRAMS programs.
 BWD_TARGET_PROGRAMS = 2048
-MAX_WIDTH = 16
+MAX_WIDTH = 8
+MAX_BATCH = 65535   # the forward grid's third dimension
 ACTIVATIONS = (None, "silu", "swish")
 
 
@@ -138,8 +146,7 @@ def short_conv_bwd_kernel(
     s_xb, s_xt, s_xc, s_wc, s_ww, s_ctx_n, s_ctx_w, s_ctx_c, s_dyb, s_dyt, s_dyc,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, SILU: tl.constexpr, IS_VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    NEED_DX: tl.constexpr,
-    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
 ):
     """Channels pid0 * BC.., token tiles pid1 * tiles_per_prog .. (+ tiles_per_prog) of the flattened
     [B, tiles_per_row] tile list: dx of those tiles (contiguous [B, T, C]) and this program's row of the
@@ -353,6 +360,9 @@ def short_conv_triton(
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor{' or None' if name != 'x' and name != 'weight' else ''}, "
                             f"got {type(t).__name__}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("context", context)):
+        if t is not None and not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
     if x.dim() != 3:
         raise ValueError(f"x must have shape [B, T, C], got {list(x.shape)}")
     B, T, C = x.shape
@@ -369,6 +379,8 @@ def short_conv_triton(
                             f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
         if B != 1:
             raise ValueError(f"x must have batch size 1 with cu_seqlens, got B={B}")
+    if B > MAX_BATCH:
+        raise ValueError(f"x: the Triton forward's grid takes batch sizes up to {MAX_BATCH}, got B={B}")
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if context is not None and tuple(context.shape) != (N, C, W - 1):
         raise ValueError(f"context must have shape [N, C, W-1] = [{N}, {C}, {W - 1}], got {list(context.shape)}")
