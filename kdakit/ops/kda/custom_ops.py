@@ -255,7 +255,7 @@ def _fused_recurrent_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
 def _fused_recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
                           output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                           allow_neg_eigval, lower_bound, state_v_first, safe_gate, segment_tokens):
-    o = torch.empty_like(v)  # the eager op allocates o with empty_like(v) (the PyTorch path: dense, the same)
+    o = v.new_empty(v.shape)  # the eager op allocates a dense o whatever v's strides (the PyTorch path: the same)
     return _fake_outputs(o, q, k, v, g, beta, cu_seqlens, output_final_state, state_v_first)
 
 
@@ -269,9 +269,10 @@ def _fused_recurrent_backward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, bet
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     needed = _grads_needed(A_log, dt_bias, initial_state, use_gate_in_kernel)
     A_flat, bias_flat = flat_gate_params(A_log, dt_bias)  # the backward takes the flat shapes only
-    # autograd hands expanded (stride-0) cotangents for reductions like o.sum(); the kernels read dense
-    # rows, so only such a cotangent is materialized (contiguous() of a dense tensor is the tensor)
-    do = do.contiguous()
+    # autograd hands expanded (stride-0) cotangents for reductions like o.sum(); the kernels need a unit last
+    # stride, so only such a cotangent is materialized (a unit-last-stride view is read in place)
+    if do.dim() and do.shape[-1] > 1 and do.stride(-1) != 1:
+        do = do.contiguous()
     with _autograd_inside_op():  # the PyTorch path differentiates the recurrence with autograd
         grads = recurrent_kda_backward(
             q, k, v, g, beta, do, dht, A_log=A_flat, dt_bias=bias_flat, scale=scale,
@@ -286,7 +287,9 @@ def _fused_recurrent_backward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, bet
 def _fused_recurrent_backward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, do, dht, scale,
                                    use_qk_l2norm_in_kernel, use_gate_in_kernel, *rest):
     needed = _grads_needed(A_log, dt_bias, initial_state, use_gate_in_kernel)
-    return _fake_grads((q, k, v, g, beta, A_log, dt_bias, initial_state), needed)
+    # the eager backward returns new dense gradients, whatever the inputs' strides
+    return tuple(x.new_empty(x.shape) if n else _absent(q)
+                 for x, n in zip((q, k, v, g, beta, A_log, dt_bias, initial_state), needed))
 
 
 def _fused_setup_context(ctx, inputs, output):
@@ -333,7 +336,7 @@ def _fused_recurrent_serving_fake(q, k, v, g, beta, A_log, dt_bias, initial_stat
                                   use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                                   allow_neg_eigval, lower_bound, state_v_first, safe_gate, inplace_final_state,
                                   check_indices):
-    o = torch.empty_like(v)
+    o = v.new_empty(v.shape)
     return _fake_outputs(o, q, k, v, g, beta, cu_seqlens, output_final_state and not inplace_final_state,
                          state_v_first)
 
@@ -358,4 +361,4 @@ def _kda_decode_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sta
 
 @_kda_decode_op.register_fake
 def _kda_decode_fake(q, k, v, g, beta, state_pool, state_indices, *rest):
-    return torch.empty_like(v)
+    return v.new_empty(v.shape)

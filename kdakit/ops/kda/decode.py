@@ -56,6 +56,7 @@ from kdakit.ops.kda.recurrent_forward import (
     WRITE_PER_TOKEN_ROWS,
     _recurrent_kernel,
     check_kernel_layout,
+    token_strides,
 )
 from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
 from kdakit.ops.kda.validate import STATE_DTYPES, check_index_tensor, check_pool_rows, check_triton_dtypes
@@ -149,6 +150,8 @@ def launch_pool_recurrent(q, k, v, g, beta, o, opts: KDAOptions, *, h0, ht, stat
         h0.shape[0] if h0 is not None else 0, ht.shape[0] if ht is not None else 0,
         h0.stride(0) if h0 is not None else 0, ht.stride(0) if ht is not None else 0,
         idx_strides[0], idx_strides[1], acc.stride(0) if acc is not None else 0,
+        *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(g), *token_strides(beta),
+        *token_strides(o),
         H=H, HV=HV, K=K, V=V, IDX_COLS=idx_cols, BK=BK, BV=BV,
         HAS_INDICES=idx is not None, USE_H0=h0 is not None, WRITE=write, OUT=OUT_O, HAS_ACCEPTED=acc is not None,
         ROUND_STATE=round_state, ROUND_STORE=round_store, IS_VARLEN=cu_seqlens is not None,
@@ -163,7 +166,8 @@ def pool_recurrent_reference(q, k, v, g, beta, o, opts: KDAOptions, *, h0, ht, s
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dt = compute_dtype(q, k, v, g, beta)
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    # dense copies of strided views, as naive_recurrent_kda: a view gives its contiguous copy's bits
+    q, k, v, g, beta = (x.contiguous().to(dt) for x in (q, k, v, g, beta))
     if opts.use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     a = kda_gate(g, A_log, dt_bias, opts.lower_bound) if opts.use_gate_in_kernel else g
@@ -172,7 +176,8 @@ def pool_recurrent_reference(q, k, v, g, beta, o, opts: KDAOptions, *, h0, ht, s
     q = q.repeat_interleave(HV // H, dim=2).reshape(B * T, HV, K)
     k = k.repeat_interleave(HV // H, dim=2).reshape(B * T, HV, K)
     v, a, b = v.reshape(B * T, HV, V), a.reshape(B * T, HV, K), b.reshape(B * T, HV)
-    o_flat = o.view(B * T, HV, V)
+    # o may be a strided view (the kernels write it through its strides): rows of a dense copy, then copied in
+    o_flat = o.view(B * T, HV, V) if o.is_contiguous() else o.new_empty(B * T, HV, V)
     cu = cu_seqlens.tolist() if cu_seqlens is not None else [n * T for n in range(B + 1)]
     idx = state_indices.tolist() if state_indices is not None else None
     if idx is not None and state_indices.dim() == 1:
@@ -219,6 +224,8 @@ def pool_recurrent_reference(q, k, v, g, beta, o, opts: KDAOptions, *, h0, ht, s
                 store(ht[t], S)
         if write == WRITE_FINAL_TO_READ_ROW:
             store(ht[slot], S)
+    if not o.is_contiguous():
+        o.copy_(o_flat.view(B, T, HV, V))
 
 
 def launch_kda_decode(q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o, opts: KDAOptions,
@@ -291,7 +298,9 @@ def kda_decode(
     Args:
         q, k: ``[N, T, H, K]`` (T tokens per sequence, T >= 1) or ``[1, total, H, K]`` with
             ``cu_seqlens``; v ``[.., HV, V]``; g ``[.., HV, K]``; beta ``[.., HV]``; token
-            tensors in fp16/bf16/fp32 (fp64 on the PyTorch path).
+            tensors in fp16/bf16/fp32 (fp64 on the PyTorch path). They may be views of wider tensors
+            (a fused projection's ``split``...): the kernels read them through their strides, with a
+            unit stride in the last dimension (beta: any strides), and give the contiguous call's bits.
         state_pool: ``[P, HV, V, K]`` fp32 or bf16, value-first, rows dense (the row stride may
             be padded, 16-byte aligned); updated in place.
         state_indices: int32 ``[N]`` (one row per sequence) or ``[N, S]`` (one row per token,
@@ -306,7 +315,8 @@ def kda_decode(
             capture) the call makes no device->host synchronization.
         num_accepted_tokens: int32 ``[N]`` with ``[N, S]`` indices: read column
             ``num_accepted_tokens[n] - 1``.
-        out: preallocated output ``[B, T, HV, V]`` in v's dtype.
+        out: preallocated output ``[B, T, HV, V]`` in v's dtype: contiguous, or a view of a wider tensor
+            with a unit last stride (written through its strides).
         check_indices: check index values on the host (a device sync): range ``[-1, P)``,
             rows disjoint across sequences, ``num_accepted_tokens`` in ``[1, S]``. Skipped
             during CUDA-graph capture (the warm-up iterations check); pass False in a serving
@@ -351,9 +361,9 @@ def kda_decode(
         if check_indices and not capturing:
             _check_index_values(state_pool.shape[0], state_indices, num_accepted_tokens, opts.shape)
         if out is not None:
-            check_out("out", out, v.shape, v.dtype, device)
+            check_out("out", out, v.shape, v.dtype, device, token_view=True)
     A_log, dt_bias = opts.kernel_gate_params(A_log, dt_bias)
-    o = out if out is not None else torch.empty_like(v)
+    o = out if out is not None else v.new_empty(v.shape)  # dense, whatever v's strides
     args = (q, k, v, g, beta, state_pool, state_indices, num_accepted_tokens, o, opts)
     kw = dict(A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens, N=opts.shape.N)
     if backend == "torch":
@@ -445,7 +455,7 @@ def fused_recurrent_kda_serving(q, k, v, g, beta, *, A_log, dt_bias, initial_sta
                                         reads=initial_state is not None, writes=inplace_final_state)
     HV, V = v.shape[2], v.shape[3]
     A_log, dt_bias = opts.kernel_gate_params(A_log, dt_bias)
-    o = out if out is not None else torch.empty_like(v)
+    o = out if out is not None else v.new_empty(v.shape)  # dense, whatever v's strides
     if inplace_final_state:
         final = ht = initial_state
         write = WRITE_PER_TOKEN_ROWS if ssm_state_indices is not None else WRITE_FINAL_TO_READ_ROW
@@ -517,7 +527,7 @@ def _check_serving_args(q, k, v, g, beta, A_log, dt_bias, shape, initial_state, 
                              f"ssm_state_indices[n, t], so a sequence may carry at most S={S} tokens, got a "
                              f"sequence of {longest} tokens")
     if out is not None:
-        check_out("out", out, v.shape, v.dtype, device)
+        check_out("out", out, v.shape, v.dtype, device, token_view=True)
     if final_state_out is not None:
         if inplace:
             raise ValueError("final_state_out is not used with inplace_final_state=True (the states go into "

@@ -66,6 +66,7 @@ def step_kernel_applies(*, T: int, cu_seqlens, state_indices, h0, ht, write_fina
 def _pool_step_kernel(
     q, k, v, g, beta, A_log, dt_bias, pool, state_indices, o,
     scale, lower_bound, P, row_stride, idx_stride,
+    s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_gh, s_bb, s_bh, s_ob, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     ROUND_STATE: tl.constexpr, ROUND_STORE: tl.constexpr, NATIVE_ROUND: tl.constexpr,
     L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
@@ -81,12 +82,13 @@ def _pool_step_kernel(
     offs_k = tl.arange(0, K)
     offs_v = i_v * BV + tl.arange(0, BV)
 
-    # the token's inputs first: they do not wait on the row index, the state does
-    b_q = tl.load(q + (i_n * H + i_h) * K + offs_k).to(tl.float32)                        # [K]
-    b_k = tl.load(k + (i_n * H + i_h) * K + offs_k).to(tl.float32)                        # [K]
-    b_g = tl.load(g + (i_n * HV + i_hv) * K + offs_k).to(tl.float32)                      # [K]
-    b_v = tl.load(v + (i_n * HV + i_hv) * V + offs_v).to(tl.float32)                      # [BV]
-    b_beta = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
+    # the token's inputs first: they do not wait on the row index, the state does. Token tensors through their
+    # (batch, head) strides (one token: the token stride is never used), int64 offsets.
+    b_q = tl.load(q + i_n * s_qb + i_h * s_qh + offs_k).to(tl.float32)                    # [K]
+    b_k = tl.load(k + i_n * s_kb + i_h * s_kh + offs_k).to(tl.float32)                    # [K]
+    b_g = tl.load(g + i_n * s_gb + i_hv * s_gh + offs_k).to(tl.float32)                   # [K]
+    b_v = tl.load(v + i_n * s_vb + i_hv * s_vh + offs_v).to(tl.float32)                   # [BV]
+    b_beta = tl.load(beta + i_n * s_bb + i_hv * s_bh).to(tl.float32)
     slot = tl.load(state_indices + i_n * idx_stride).to(tl.int64)
     # -1 marks a padded sequence; out-of-range rows are treated the same (no access outside the pool)
     valid = (slot >= 0) & (slot < P)
@@ -97,7 +99,7 @@ def _pool_step_kernel(
     b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, offs_k < K,
                                               lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
     S, _, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE, NATIVE_ROUND)
-    tl.store(o + (i_n * HV + i_hv) * V + offs_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty))
+    tl.store(o + i_n * s_ob + i_hv * s_oh + offs_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty))
     tl.store(row + offs_s, round_to_bf16_if(S, ROUND_STORE).to(pool.dtype.element_ty), mask=valid,
              cache_modifier=".cs")
 
@@ -105,6 +107,11 @@ def _pool_step_kernel(
 # ---------------------------------------------------------------------------------------------
 # Launcher
 # ---------------------------------------------------------------------------------------------
+
+def _batch_head_strides(x: torch.Tensor) -> tuple[int, int]:
+    """(batch, head) element strides of a one-token ``[N, 1, heads, ...]`` tensor."""
+    return x.stride(0), x.stride(2)
+
 
 def launch_pool_step(q, k, v, g, beta, o, opts, *, pool: torch.Tensor, state_indices: torch.Tensor,
                      round_state: bool, A_log, dt_bias, N: int, block_v: int | None = None,
@@ -123,7 +130,8 @@ def launch_pool_step(q, k, v, g, beta, o, opts, *, pool: torch.Tensor, state_ind
     _pool_step_kernel[(N * HV * (V // BV),)](
         q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         pool, state_indices, o, opts.scale, opts.kernel_lower_bound, pool.shape[0], pool.stride(0),
-        state_indices.stride(0),
+        state_indices.stride(0), *_batch_head_strides(q), *_batch_head_strides(k), *_batch_head_strides(v),
+        *_batch_head_strides(g), *_batch_head_strides(beta), *_batch_head_strides(o),
         H=H, HV=HV, K=K, V=V, BV=BV, ROUND_STATE=round_state,
         ROUND_STORE=pool.dtype == torch.bfloat16 and not round_state, NATIVE_ROUND=not triton_interpreting(),
         **opts.recurrent_constexprs(), num_warps=STEP_NUM_WARPS if num_warps is None else num_warps,

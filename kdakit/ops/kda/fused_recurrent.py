@@ -156,7 +156,11 @@ def fused_recurrent_kda(
     r"""Recurrent Kimi Delta Attention with FLA 0.6.0's ``fused_recurrent_kda`` arguments, differentiable.
 
     Args (FLA's names and order):
-        q, k: ``[B, T, H, K]`` (fp16/bf16/fp32/fp64), K <= 256 on the Triton path.
+        q, k: ``[B, T, H, K]`` (fp16/bf16/fp32/fp64), K <= 256 on the Triton path. Token tensors (q, k, v,
+            g, beta) may be views of wider tensors (a fused projection's ``split``, a ``transpose``d
+            batch/time, a slice of heads): the Triton kernels read them through their strides, with no
+            copy, and need a unit stride in the last dimension only (beta: any strides); the result is
+            the contiguous call's, bit for bit. Gradients come back as new contiguous tensors.
         v: ``[B, T, HV, V]``; HV a multiple of H (value head i uses q/k head ``i // (HV // H)``).
         g: ``[B, T, HV, K]`` log-decay, or the raw gate with ``use_gate_in_kernel``.
         beta: ``[B, T, HV]`` beta, or logits with ``use_beta_sigmoid_in_kernel``.
@@ -171,7 +175,8 @@ def fused_recurrent_kda(
 
     kdakit keyword arguments:
         safe_gate: as ``chunk_kda``: checks ``lower_bound`` lies in [-5, 0).
-        out: preallocated ``o`` (contiguous, v's shape and dtype).
+        out: preallocated ``o`` (v's shape and dtype): contiguous, or a view of a wider tensor with a unit
+            last stride (written through its strides on the Triton path).
         final_state_out: preallocated fp32 final state (with ``output_final_state``).
         workspace: ``kdakit.Workspace`` the backward uses (default: stream-local scratch).
         segment_tokens: the backward recomputes sequences longer than this segment by
@@ -267,7 +272,7 @@ def fused_recurrent_kda(
     N, K = shape.N, shape.K
     if not prepared:
         if out is not None:
-            check_out("out", out, v.shape, v.dtype, device)
+            check_out("out", out, v.shape, v.dtype, device, token_view=True)
         if final_state_out is not None:
             if not output_final_state:
                 raise ValueError("final_state_out needs output_final_state=True, got output_final_state=False")
@@ -297,7 +302,7 @@ def fused_recurrent_kda(
         check_kernel_layout(K, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
                                 "A_log": A_log_k, "dt_bias": dt_bias_k, "cu_seqlens": cu_seqlens})
     HV, V = v.shape[2], v.shape[3]
-    o = out if out is not None else torch.empty_like(v)
+    o = out if out is not None else v.new_empty(v.shape)  # dense, whatever v's strides
     final = None
     if output_final_state:
         shape_s = (N, HV, V, K) if state_v_first else (N, HV, K, V)

@@ -54,7 +54,9 @@ def naive_recurrent_kda(
         scale = K ** -0.5
     out_dtype = v.dtype
     dt = compute_dtype(q, k, v, g, beta)
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    # dense copies of strided views: PyTorch's vectorized elementwise kernels (exp, softplus...) round differently
+    # from its strided fallbacks, so a view is computed as its contiguous copy is (the same bits)
+    q, k, v, g, beta = (x.contiguous().to(dt) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     a = kda_gate(g, A_log, dt_bias, lower_bound) if use_gate_in_kernel else g

@@ -159,13 +159,14 @@ def recurrent_kda_backward(
     Args:
         q, k, v, g, beta, A_log, dt_bias, initial_state, options: exactly as given to the
             forward (raw inputs; shapes and dtypes as ``fused_recurrent_kda``).
-        do: ``[B, T, HV, V]`` gradient of ``o`` (contiguous).
+        do: ``[B, T, HV, V]`` gradient of ``o``; read through its strides (unit last stride) on the Triton
+            path, as q, k, v, g and beta are (views of wider tensors cost no copy).
         dht: gradient of the final state (``[N, HV, K, V]``, or ``[N, HV, V, K]`` with
             ``state_v_first``), or None.
         workspace: ``kdakit.Workspace``; default: the stream-local one.
         out: optional sequence of 8 preallocated gradients in ``KDAGrads`` order, each
             contiguous with its input's shape and dtype, None for an absent input (or to
-            allocate that one).
+            allocate that one: a new contiguous tensor, whatever the input's strides).
         segment_tokens: when every sequence has at most this many tokens, one pass over
             the whole input (scratch grows with B*T); otherwise the sequences are split into
             segments of this many tokens, recomputed from state checkpoints, and the scratch
@@ -293,7 +294,8 @@ def _reference_backward(q, k, v, g, beta, do, dht, A_log, dt_bias, initial_state
             res.append(None)
             continue
         gr = next(got)
-        gr = torch.zeros_like(x) if gr is None else gr.to(x.dtype)
+        # contiguous, as the Triton path's: the gradient of a strided view is a fresh dense tensor of its shape
+        gr = x.new_zeros(x.shape) if gr is None else gr.to(x.dtype).contiguous()
         if out is not None and out[i] is not None:
             check_out(f"out[{i}] ({GRAD_NAMES[i]})", out[i], x.shape, x.dtype, x.device).copy_(gr)
             gr = out[i]

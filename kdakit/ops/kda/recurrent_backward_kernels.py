@@ -25,8 +25,10 @@ from kdakit.ops.kda.recurrent_forward import (
     load_qk_token,
     log_decay,
     program_sequence,
+    sequence_row,
     state_row_tile,
     state_tile,
+    token_strides,
 )
 from kdakit.ops.kda.workspace import Workspace, check_out
 
@@ -63,26 +65,25 @@ class KDAGrads(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def load_token(q, k, g, beta, A_log, dt_bias, t, i_h, i_hv, offs_k, mask_k, lower_bound,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-               L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+def load_token(p_q, p_k, p_g, p_b, j, s_qt, s_kt, s_gt, s_bt, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound,
+               K: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
                BETA: tl.constexpr):
-    """Token t's q, k [BK] (l2-normalized when asked), log-decay a [BK] and beta, as both token passes read
-    them (in place, where the forward requests them one token ahead). -> (q, k, a, beta)"""
-    qk_row = (t * H + i_h) * K
-    hv_row = t * HV + i_hv
-    b_q = load_qk_token(q + qk_row, offs_k, mask_k, L2NORM)                               # [BK]
-    b_k = load_qk_token(k + qk_row, offs_k, mask_k, L2NORM)                               # [BK]
-    b_g = tl.load(g + hv_row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    """Token j of the sequence (``sequence_row``'s rows ``p_*``, token strides ``s_*t``): its q, k [BK]
+    (l2-normalized when asked), log-decay a [BK] and beta, as both token passes read them (in place, where the
+    forward requests them one token ahead). -> (q, k, a, beta)"""
+    b_q = load_qk_token(p_q + j * s_qt, offs_k, mask_k, L2NORM)                           # [BK]
+    b_k = load_qk_token(p_k + j * s_kt, offs_k, mask_k, L2NORM)                           # [BK]
+    b_g = tl.load(p_g + j * s_gt + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     b_a = log_decay(b_g, A_log, dt_bias, i_hv, offs_k, mask_k, lower_bound, K, GATE, HAS_A, HAS_BIAS)
-    b_beta = beta_value(tl.load(beta + hv_row).to(tl.float32), BETA)
+    b_beta = beta_value(tl.load(p_b + j * s_bt).to(tl.float32), BETA)
     return b_q, b_k, b_a, b_beta
 
 
-@triton.jit(do_not_specialize=["T", "TT"])
+@triton.jit(do_not_specialize=["T", "TT", "s_bb"])  # s_bb: as recurrent_forward._recurrent_kernel's
 def _recurrent_bwd_reverse_kernel(
     q, k, g, beta, A_log, dt_bias, do, dht, ud, dv, dh0, x_part, cu_seqlens,
     scale, lower_bound, T, TT,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_db, s_dt, s_dh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr, STATE_V_FIRST: tl.constexpr,
@@ -92,6 +93,11 @@ def _recurrent_bwd_reverse_kernel(
     i_n, i_hv, i_h, i_v, bos, eos = program_sequence(cu_seqlens, T, H, HV, IS_VARLEN)
     offs_k, offs_v, mask_k, mask_v = key_value_offsets(i_v, K, V, BK, BV)
     mask_s, state_base, offs_s = state_tile(i_n, i_hv, offs_k, offs_v, mask_k, mask_v, HV, K, V, STATE_V_FIRST)
+    p_q = sequence_row(q, i_n, bos, i_h, s_qb, s_qt, s_qh, IS_VARLEN)
+    p_k = sequence_row(k, i_n, bos, i_h, s_kb, s_kt, s_kh, IS_VARLEN)
+    p_g = sequence_row(g, i_n, bos, i_hv, s_gb, s_gt, s_gh, IS_VARLEN)
+    p_b = sequence_row(beta, i_n, bos, i_hv, s_bb, s_bt, s_bh, IS_VARLEN)
+    p_do = sequence_row(do, i_n, bos, i_hv, s_db, s_dt, s_dh, IS_VARLEN)
 
     dS = tl.zeros([BK, BV], dtype=tl.float32)                                             # [BK, BV]
     if HAS_DHT:
@@ -101,9 +107,10 @@ def _recurrent_bwd_reverse_kernel(
     t = eos - 1
     while t >= bos:
         hv_row = t * HV + i_hv
-        b_q, b_k, b_a, b_beta = load_token(q, k, g, beta, A_log, dt_bias, t, i_h, i_hv, offs_k, mask_k, lower_bound,
-                                           H, HV, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
-        b_do = tl.load(do + hv_row * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)   # [BV]
+        j = t - bos
+        b_q, b_k, b_a, b_beta = load_token(p_q, p_k, p_g, p_b, j, s_qt, s_kt, s_gt, s_bt, A_log, dt_bias, i_hv,
+                                           offs_k, mask_k, lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
+        b_do = tl.load(p_do + j * s_dt + offs_v, mask=mask_v, other=0.0).to(tl.float32)   # [BV]
         b_u = tl.load(ud + hv_row * V + offs_v, mask=mask_v, other=0.0)                   # [BV] fp32
 
         dS += (scale * b_q)[:, None] * b_do[None, :]
@@ -119,10 +126,11 @@ def _recurrent_bwd_reverse_kernel(
         tl.store(dh0 + state_base + offs_s, dS.to(dh0.dtype.element_ty), mask=mask_s)
 
 
-@triton.jit(do_not_specialize=["T", "TT"])
+@triton.jit(do_not_specialize=["T", "TT", "s_bb"])
 def _recurrent_bwd_replay_kernel(
     q, k, v, g, beta, A_log, dt_bias, h0, do, dht, ud, dq_part, dk_part, z_part, dbeta_part, term_part,
     cu_seqlens, scale, lower_bound, T, TT,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_db, s_dt, s_dh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr, STATE_V_FIRST: tl.constexpr,
@@ -136,6 +144,12 @@ def _recurrent_bwd_replay_kernel(
     offs_k, offs_v, mask_k, mask_v = key_value_offsets(i_v, K, V, BK, BV)
     mask_s = mask_v[:, None] & mask_k[None, :]                                            # [BV, BK]
     offs_s = (i_n * HV).to(tl.int64) * K * V + state_row_tile(i_hv, offs_k, offs_v, HV, K, V, STATE_V_FIRST)
+    p_q = sequence_row(q, i_n, bos, i_h, s_qb, s_qt, s_qh, IS_VARLEN)
+    p_k = sequence_row(k, i_n, bos, i_h, s_kb, s_kt, s_kh, IS_VARLEN)
+    p_v = sequence_row(v, i_n, bos, i_hv, s_vb, s_vt, s_vh, IS_VARLEN)
+    p_g = sequence_row(g, i_n, bos, i_hv, s_gb, s_gt, s_gh, IS_VARLEN)
+    p_b = sequence_row(beta, i_n, bos, i_hv, s_bb, s_bt, s_bh, IS_VARLEN)
+    p_do = sequence_row(do, i_n, bos, i_hv, s_db, s_dt, s_dh, IS_VARLEN)
 
     S = tl.zeros([BV, BK], dtype=tl.float32)                                              # S^T tile
     if USE_H0:
@@ -145,10 +159,11 @@ def _recurrent_bwd_replay_kernel(
     while t < eos:
         hv_row = t * HV + i_hv
         part_row = ((i_v * TT + t) * HV + i_hv) * K
-        b_q, b_k, b_a, b_beta = load_token(q, k, g, beta, A_log, dt_bias, t, i_h, i_hv, offs_k, mask_k, lower_bound,
-                                           H, HV, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
-        b_v = tl.load(v + hv_row * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)     # [BV]
-        b_do = tl.load(do + hv_row * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)   # [BV]
+        j = t - bos
+        b_q, b_k, b_a, b_beta = load_token(p_q, p_k, p_g, p_b, j, s_qt, s_kt, s_gt, s_bt, A_log, dt_bias, i_hv,
+                                           offs_k, mask_k, lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
+        b_v = tl.load(p_v + j * s_vt + offs_v, mask=mask_v, other=0.0).to(tl.float32)     # [BV]
+        b_do = tl.load(p_do + j * s_dt + offs_v, mask=mask_v, other=0.0).to(tl.float32)   # [BV]
         b_du = tl.load(ud + hv_row * V + offs_v, mask=mask_v, other=0.0)                  # [BV]
         b_x = tl.load(dk_part + part_row + offs_k, mask=mask_k, other=0.0)                # [BK] X_t
 
@@ -169,10 +184,10 @@ def _recurrent_bwd_replay_kernel(
                  tl.sum(b_dht * S, axis=0), mask=mask_k)
 
 
-@triton.jit(do_not_specialize=["T", "TT"])
+@triton.jit(do_not_specialize=["T", "TT", "s_bb"])
 def _recurrent_bwd_gate_kernel(
     g, beta, A_log, dt_bias, z_part, dbeta_part, term_part, dg, dbeta, dA_part, dbias_part, cu_seqlens,
-    lower_bound, T, TT,
+    lower_bound, T, TT, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     NV: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     HAS_DHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, BETA: tl.constexpr,
@@ -184,6 +199,8 @@ def _recurrent_bwd_gate_kernel(
     bos, eos = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < K
+    p_g0 = sequence_row(g, i_n, bos, i_hv, s_gb, s_gt, s_gh, IS_VARLEN)
+    p_b0 = sequence_row(beta, i_n, bos, i_hv, s_bb, s_bt, s_bh, IS_VARLEN)
 
     carry = tl.zeros([BK], dtype=tl.float32)                                              # da_{t+1}
     if HAS_DHT:
@@ -211,7 +228,7 @@ def _recurrent_bwd_gate_kernel(
         da = tl.cumsum(z, axis=0, reverse=True) + carry[None, :]                          # [BT, BK]
         carry += tl.sum(z, axis=0)
 
-        p_g = g + (rows[:, None] * HV + i_hv) * K + offs_k[None, :]
+        p_g = p_g0 + (rows - bos)[:, None] * s_gt + offs_k[None, :]
         if GATE == 0:
             b_dg = da
         else:
@@ -225,7 +242,7 @@ def _recurrent_bwd_gate_kernel(
             dbias_acc += tl.sum(tl.where(mask_tk, b_dg, 0.0), axis=0)
         tl.store(dg + (rows[:, None] * HV + i_hv) * K + offs_k[None, :], b_dg.to(dg.dtype.element_ty), mask=mask_tk)
 
-        p_beta = beta + rows * HV + i_hv
+        p_beta = p_b0 + (rows - bos) * s_bt
         if BETA == 0:
             b_db = db
         else:
@@ -241,9 +258,9 @@ def _recurrent_bwd_gate_kernel(
         tl.store(dbias_part + i_nh.to(tl.int64) * K + offs_k, dbias_acc, mask=mask_k)
 
 
-@triton.jit(do_not_specialize=["TT"])
+@triton.jit(do_not_specialize=["T", "TT"])
 def _recurrent_bwd_qk_kernel(
-    q, k, dq_part, dk_part, dq, dk, TT,
+    q, k, dq_part, dk_part, dq, dk, T, TT, s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
     NV: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
@@ -264,10 +281,17 @@ def _recurrent_bwd_qk_kernel(
             b_dk += tl.load(dk_part + p, mask=mask, other=0.0)
     p_x = (rows[:, None] * H + i_h) * K + offs_k[None, :]
     if L2NORM:
-        # y = x r with the forward's r (qk_activation's l2norm_rstd), then dx = r (dy - y (dy . y))
-        y_q, r_q = l2norm_rows(tl.load(q + p_x, mask=mask, other=0.0).to(tl.float32))        # [BT, BK], [BT]
+        # y = x r with the forward's r (qk_activation's l2norm_rstd), then dx = r (dy - y (dy . y)); q and k through
+        # their strides: flat token row = b * T + t (packed: b = 0); an int32 division (rows < B * T < 2^31), whose
+        # int64 form would hold over twice the registers
+        flat = i_t * BT + tl.arange(0, BT)
+        b = (flat // T).to(tl.int64)
+        t = rows - b * T
+        p_q = q + (b * s_qb + t * s_qt + i_h.to(tl.int64) * s_qh)[:, None] + offs_k[None, :]
+        p_k = k + (b * s_kb + t * s_kt + i_h.to(tl.int64) * s_kh)[:, None] + offs_k[None, :]
+        y_q, r_q = l2norm_rows(tl.load(p_q, mask=mask, other=0.0).to(tl.float32))            # [BT, BK], [BT]
         b_dq = l2norm_rows_bwd(b_dq, y_q, r_q)
-        y_k, r_k = l2norm_rows(tl.load(k + p_x, mask=mask, other=0.0).to(tl.float32))
+        y_k, r_k = l2norm_rows(tl.load(p_k, mask=mask, other=0.0).to(tl.float32))
         b_dk = l2norm_rows_bwd(b_dk, y_k, r_k)
     tl.store(dq + p_x, b_dq.to(dq.dtype.element_ty), mask=mask)
     tl.store(dk + p_x, b_dk.to(dk.dtype.element_ty), mask=mask)
@@ -326,8 +350,10 @@ def launch_recurrent_backward(
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     TT = B * T
-    # autograd may hand over expanded or strided cotangents; the kernels read dense ones.
-    do = do if do.is_contiguous() else do.contiguous()
+    # the kernels read do through its strides; autograd may hand over an expanded one (stride 0 everywhere, from
+    # a reduction such as o.sum()), whose last dimension is materialized
+    if do.shape[-1] > 1 and do.stride(-1) != 1:
+        do = do.contiguous()
     if dht is not None and not dht.is_contiguous():
         dht = dht.contiguous()
 
@@ -353,27 +379,29 @@ def launch_recurrent_backward(
     _recurrent_bwd_reverse_kernel[grid](
         q, k, g, beta, A, bias, do, dht if dht is not None else dummy, buf["ud"], grads.dv,
         grads.dh0 if grads.dh0 is not None else dummy, buf["dk_part"], cu,
-        scale, lb, T, TT, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        scale, lb, T, TT, *token_strides(q), *token_strides(k), *token_strides(g), *token_strides(beta),
+        *token_strides(do), H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         HAS_DHT=dht is not None, STORE_DH0=grads.dh0 is not None, **passes, num_warps=BWD_NUM_WARPS,
     )
     # 3. replay with adjoint terms: partial dq, dk, Z, dbeta, rowsum(dht * S_T)
     _recurrent_bwd_replay_kernel[grid](
         q, k, v, g, beta, A, bias, initial_state if initial_state is not None else dummy, do,
         dht if dht is not None else dummy, buf["ud"], buf["dq_part"], buf["dk_part"], buf["z_part"],
-        buf["dbeta_part"], buf["term_part"], cu, scale, lb, T, TT,
+        buf["dbeta_part"], buf["term_part"], cu, scale, lb, T, TT, *token_strides(q), *token_strides(k),
+        *token_strides(v), *token_strides(g), *token_strides(beta), *token_strides(do),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_H0=initial_state is not None, HAS_DHT=dht is not None,
         **passes, num_warps=BWD_NUM_WARPS,
     )
     # 4. dq, dk (token-parallel)
     _recurrent_bwd_qk_kernel[(triton.cdiv(TT, REDUCE_BLOCK_T), H)](
-        q, k, buf["dq_part"], buf["dk_part"], grads.dq, grads.dk, TT,
+        q, k, buf["dq_part"], buf["dk_part"], grads.dq, grads.dk, T, TT, *token_strides(q), *token_strides(k),
         NV=NV, H=H, HV=HV, K=K, BK=BK, BT=REDUCE_BLOCK_T, L2NORM=opts.use_qk_l2norm_in_kernel,
         num_warps=REDUCE_NUM_WARPS,
     )
     # 5. dg, dbeta and per-sequence parameter partials
     _recurrent_bwd_gate_kernel[(N * HV,)](
         g, beta, A, bias, buf["z_part"], buf["dbeta_part"], buf["term_part"], grads.dg, grads.dbeta,
-        buf["dA_part"], buf["dbias_part"], cu, lb, T, TT,
+        buf["dA_part"], buf["dbias_part"], cu, lb, T, TT, *token_strides(g), *token_strides(beta),
         NV=NV, HV=HV, K=K, BK=BK, BT=REDUCE_BLOCK_T, HAS_DHT=dht is not None, IS_VARLEN=cu_seqlens is not None,
         GATE=opts.gate, HAS_A=opts.has_A_log, HAS_BIAS=opts.has_dt_bias, BETA=opts.beta, num_warps=REDUCE_NUM_WARPS,
     )
@@ -387,11 +415,17 @@ def launch_recurrent_backward(
     return grads
 
 
+def _new_grad(x: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous tensor of x's shape and dtype (x itself may be a strided view): the kernels write dense
+    gradients."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def grad_outputs(q, k, v, g, beta, A_log, dt_bias, initial_state, out) -> KDAGrads:
-    """The eight gradient tensors: the caller's (``out``, checked) or new ones."""
+    """The eight gradient tensors: the caller's (``out``, checked: contiguous) or new contiguous ones."""
     like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     if out is None:
-        return KDAGrads(*(None if x is None else torch.empty_like(x) for x in like))
+        return KDAGrads(*(None if x is None else _new_grad(x) for x in like))
     if not isinstance(out, (tuple, list)) or len(out) != 8:
         raise ValueError(f"out must be a sequence of 8 gradient tensors {GRAD_NAMES}, got {type(out).__name__}"
                          + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
@@ -402,7 +436,7 @@ def grad_outputs(q, k, v, g, beta, A_log, dt_bias, initial_state, out) -> KDAGra
                 raise ValueError(f"out[{GRAD_NAMES.index(name)}] ({name}) must be None: its input is absent")
             res.append(None)
         elif o is None:
-            res.append(torch.empty_like(x))
+            res.append(_new_grad(x))
         else:
             res.append(check_out(f"out[{GRAD_NAMES.index(name)}] ({name})", o, x.shape, x.dtype, x.device))
     return KDAGrads(*res)

@@ -16,11 +16,13 @@ forward, the backward's replays (``u_t`` instead of ``o_t``, and the segment che
 entry points of ``decode.py`` (state pools read and written through row indices). Grid ``(N * HV,
 cdiv(V, BV))``; each program keeps ``S^T[v-block, :]`` as a ``[BV, BK]`` fp32 tile in registers
 (``BK = next_pow2(K)``, so K <= 256) and walks its sequence's tokens. V rows evolve independently, so
-programs never communicate. Token tensors are read in FLA's token-major layout (``q [B, T, H, K]``...);
-states in either ``[., HV, K, V]`` or value-first ``[., HV, V, K]`` rows. Constexpr flags choose where
-states are read and written (``WRITE_*``), which per-token row is written (``OUT_*``: ``o_t`` or ``u_t``)
-and the bf16 pool's rounding (``decode.py``'s docstring has the serving semantics). The forward saves
-nothing for backward except the inputs: the backward recomputes the recurrence from the initial state.
+programs never communicate. Token tensors (FLA's ``q [B, T, H, K]``...) and the per-token output are read and
+written through their (batch, token, head) strides (``token_strides``), so a view of a wider tensor costs no copy;
+only their last dimension must have unit stride (``check_kernel_layout``). States in either ``[., HV, K, V]`` or
+value-first ``[., HV, V, K]`` rows. Constexpr flags choose where states are read and written (``WRITE_*``),
+which per-token row is written (``OUT_*``: ``o_t`` or ``u_t``) and the bf16 pool's rounding (``decode.py``'s
+docstring has the serving semantics). The forward saves nothing for backward except the inputs: the backward
+recomputes the recurrence from the initial state.
 
 Layering (no module imports one that imports it back): this module imports no other recurrent
 module; ``recurrent_backward_kernels``, ``recurrent_backward_segmented``, ``decode_step`` and ``decode`` build on
@@ -37,7 +39,7 @@ import triton.language as tl
 
 from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.ops.kda.chunk_common import l2norm_rstd, round_to_bf16, round_to_bf16_if, seq_bounds, softplus_fp32
-from kdakit.ops.kda.validate import check_triton_dtypes
+from kdakit.ops.kda.validate import check_token_strides, check_triton_dtypes
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
@@ -133,20 +135,29 @@ def load_qk_token(ptr, offs_k, mask_k, L2NORM: tl.constexpr):
 
 
 @triton.jit
-def load_token_raw(q, k, g, v, beta, t, eos, i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Token t's raw q, k, g rows [BK], v block [BV] and beta as fp32 (zeros when t >= eos).
+def sequence_row(x, i_n, bos, h, sb, st, sh, IS_VARLEN: tl.constexpr):
+    """Pointer to row ``x[b, t0, h, :]`` of a token tensor read through its (batch, token, head) element strides
+    ``sb, st, sh``: sequence i_n's first token (packed: b = 0, t0 = bos; fixed length: b = i_n, t0 = 0). Token
+    ``bos + j`` of the sequence is ``j * st`` elements further. int64 offsets."""
+    if IS_VARLEN:
+        off = bos * st
+    else:
+        off = i_n.to(tl.int64) * sb
+    return x + off + h.to(tl.int64) * sh
+
+
+@triton.jit
+def load_token_raw(p_q, p_k, p_g, p_v, p_b, j, live, s_qt, s_kt, s_gt, s_vt, s_bt, offs_k, mask_k, offs_v, mask_v):
+    """Token j of the sequence (``sequence_row``'s rows ``p_*``, token strides ``s_*t``): its raw q, k, g rows
+    [BK], v block [BV] and beta as fp32 (zeros unless ``live``).
 
     Issued one token ahead of its use, so that the loads overlap the previous token's math.
     """
-    live = t < eos
-    qk_row = (t * H + i_h) * K
-    hv_row = t * HV + i_hv
-    b_q = tl.load(q + qk_row + offs_k, mask=mask_k & live, other=0.0).to(tl.float32)
-    b_k = tl.load(k + qk_row + offs_k, mask=mask_k & live, other=0.0).to(tl.float32)
-    b_g = tl.load(g + hv_row * K + offs_k, mask=mask_k & live, other=0.0).to(tl.float32)
-    b_v = tl.load(v + hv_row * V + offs_v, mask=mask_v & live, other=0.0).to(tl.float32)
-    b_b = tl.load(beta + hv_row + tl.zeros([1], dtype=tl.int64), mask=live, other=0.0).to(tl.float32)
+    b_q = tl.load(p_q + j * s_qt + offs_k, mask=mask_k & live, other=0.0).to(tl.float32)
+    b_k = tl.load(p_k + j * s_kt + offs_k, mask=mask_k & live, other=0.0).to(tl.float32)
+    b_g = tl.load(p_g + j * s_gt + offs_k, mask=mask_k & live, other=0.0).to(tl.float32)
+    b_v = tl.load(p_v + j * s_vt + offs_v, mask=mask_v & live, other=0.0).to(tl.float32)
+    b_b = tl.load(p_b + j * s_bt + tl.zeros([1], dtype=tl.int64), mask=live, other=0.0).to(tl.float32)
     return b_q, b_k, b_g, b_v, tl.sum(b_b, axis=0)
 
 
@@ -257,10 +268,14 @@ OUT_O = 1  # o_t, in out's dtype (the forward, the serving paths)
 OUT_U = 2  # u_t, fp32 (the backward's replay)
 
 
-@triton.jit(do_not_specialize=["T", "P_read", "P_write"])
+# beta's batch stride (T * HV when dense) is not specialized, as T is not: it would recompile as T changes, and beta's
+# one-element loads gain nothing from its alignment; the other batch strides keep their divisibility hint (the
+# rows' vector loads need it) and are multiples of 16 whenever the head size is.
+@triton.jit(do_not_specialize=["T", "P_read", "P_write", "s_bb"])
 def _recurrent_kernel(
     q, k, v, g, beta, A_log, dt_bias, h0, ht, state_indices, num_accepted, out, cu_seqlens,
     scale, lower_bound, T, P_read, P_write, h0_row_stride, ht_row_stride, idx_stride_n, idx_stride_s, acc_stride,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_ob, s_ot, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, IDX_COLS: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_INDICES: tl.constexpr, USE_H0: tl.constexpr, WRITE: tl.constexpr, OUT: tl.constexpr,
@@ -270,9 +285,16 @@ def _recurrent_kernel(
 ):
     i_n, i_hv, i_h, i_v, bos, eos = program_sequence(cu_seqlens, T, H, HV, IS_VARLEN)
     offs_k, offs_v, mask_k, mask_v = key_value_offsets(i_v, K, V, BK, BV)
+    # token tensors through their strides: each one's row of this sequence's first token
+    p_q = sequence_row(q, i_n, bos, i_h, s_qb, s_qt, s_qh, IS_VARLEN)
+    p_k = sequence_row(k, i_n, bos, i_h, s_kb, s_kt, s_kh, IS_VARLEN)
+    p_v = sequence_row(v, i_n, bos, i_hv, s_vb, s_vt, s_vh, IS_VARLEN)
+    p_g = sequence_row(g, i_n, bos, i_hv, s_gb, s_gt, s_gh, IS_VARLEN)
+    p_b = sequence_row(beta, i_n, bos, i_hv, s_bb, s_bt, s_bh, IS_VARLEN)
+    p_o = sequence_row(out, i_n, bos, i_hv, s_ob, s_ot, s_oh, IS_VARLEN)
     # the first token's inputs are requested before the row index and the state that depends on it
-    n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, bos, eos, i_h, i_hv, offs_k, mask_k, offs_v, mask_v,
-                                             H, HV, K, V)
+    n_q, n_k, n_g, n_v, n_b = load_token_raw(p_q, p_k, p_g, p_v, p_b, 0, bos < eos, s_qt, s_kt, s_gt, s_vt, s_bt,
+                                             offs_k, mask_k, offs_v, mask_v)
 
     idx_row = state_indices + i_n.to(tl.int64) * idx_stride_n
     slot = i_n.to(tl.int64)  # without indices, sequence n owns row n
@@ -300,18 +322,18 @@ def _recurrent_kernel(
     t = bos
     while t < eos:
         b_q, b_k, b_g, b_v, b_beta = n_q, n_k, n_g, n_v, n_b
-        n_q, n_k, n_g, n_v, n_b = load_token_raw(q, k, g, v, beta, t + 1, eos, i_h, i_hv, offs_k, mask_k,
-                                                 offs_v, mask_v, H, HV, K, V)
-        hv_row = t * HV + i_hv
+        j = t - bos
+        n_q, n_k, n_g, n_v, n_b = load_token_raw(p_q, p_k, p_g, p_v, p_b, j + 1, t + 1 < eos, s_qt, s_kt, s_gt, s_vt,
+                                                 s_bt, offs_k, mask_k, offs_v, mask_v)
         b_q, b_k, b_a, b_beta = token_activations(b_q, b_k, b_g, b_beta, A_log, dt_bias, i_hv, offs_k, mask_k,
                                                   lower_bound, K, L2NORM, GATE, HAS_A, HAS_BIAS, BETA)
 
         S, b_u, b_o = state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE, NATIVE_ROUND)
         if OUT == 1:
             b_o = tl.where(valid, b_o, 0.0)
-            tl.store(out + hv_row * V + offs_v, b_o.to(out.dtype.element_ty), mask=mask_v)
+            tl.store(p_o + j * s_ot + offs_v, b_o.to(out.dtype.element_ty), mask=mask_v)
         if OUT == 2:
-            tl.store(out + hv_row * V + offs_v, b_u.to(out.dtype.element_ty), mask=mask_v)
+            tl.store(p_o + j * s_ot + offs_v, b_u.to(out.dtype.element_ty), mask=mask_v)
         if WRITE == 1:
             col = t - bos
             # masked so that an unchecked long sequence cannot read past its index row
@@ -333,14 +355,32 @@ def _recurrent_kernel(
 # Launcher
 # ---------------------------------------------------------------------------------------------
 
+# Token tensors: read through their (batch, token, head) strides, so only their last dimension must have unit stride
+# (beta, a scalar per head, any strides).
+TOKEN_TENSORS = ("q", "k", "v", "g", "beta", "do", "out")
+
+
+def token_strides(x: torch.Tensor | None) -> tuple[int, int, int]:
+    """(batch, token, head) element strides of a ``[B, T, heads, ...]`` token tensor; zeros for an absent one (the
+    kernels then never read it)."""
+    return (0, 0, 0) if x is None else (x.stride(0), x.stride(1), x.stride(2))
+
+
 def check_kernel_layout(K: int, tensors: dict) -> None:
-    """The Triton kernels read dense tensors of the dtypes they compute (no float64: ``check_triton_dtypes``)
-    and keep K in registers: raise otherwise (no hidden copies, no silent fp32 for float64)."""
+    """The Triton kernels read the dtypes they compute (no float64: ``check_triton_dtypes``) and keep K in registers;
+    they read token tensors (``TOKEN_TENSORS``) through their strides, with a unit stride in the last dimension
+    (``check_token_strides``), and every other tensor (states, gate parameters, offsets) dense. Raise otherwise,
+    naming the tensor (no hidden copies, no silent fp32 for float64)."""
     check_triton_dtypes(tensors)
     if K > MAX_HEAD_DIM:
         raise ValueError(f"the recurrent Triton kernels support K <= {MAX_HEAD_DIM}, got K={K}")
     for name, t in tensors.items():
-        if t is not None and not t.is_contiguous():
+        if t is None:
+            continue
+        if name in TOKEN_TENSORS:
+            if name != "beta":
+                check_token_strides(name, t)
+        elif not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous for the Triton kernels, got strides {tuple(t.stride())}")
 
 
@@ -350,7 +390,8 @@ def launch_recurrent_forward(
 ) -> None:
     """Launch the recurrence for the forward; writes ``o`` (v's dtype) or ``u`` (fp32), and ``final_state``,
     when given. Dense ``[N, HV, K, V]`` (value-first: ``[N, HV, V, K]``) initial / final states, row n for
-    sequence n.
+    sequence n. Token tensors and ``o`` through their strides (``check_kernel_layout``); ``u`` a dense
+    ``[B * T, HV, V]`` buffer.
 
     ``opts``: the call's ``options.KDAOptions`` (not imported here: options.py builds on this module's
     beta modes). ``A_log`` / ``dt_bias``: None unless the gate is in the kernel (``opts.has_A_log``,
@@ -362,7 +403,7 @@ def launch_recurrent_forward(
     HV, V = v.shape[2], v.shape[3]
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), block_v)
-    out = o if o is not None else u
+    out = o if o is not None else (None if u is None else u.view(B, T, HV, V))
     h0, ht = initial_state, final_state
     dummy = q  # pointer for absent optional tensors; never dereferenced (constexpr flags)
     _recurrent_kernel[(N * HV, triton.cdiv(V, BV))](
@@ -372,6 +413,8 @@ def launch_recurrent_forward(
         out if out is not None else dummy, cu_seqlens if cu_seqlens is not None else dummy,
         opts.scale, opts.kernel_lower_bound, T, N if h0 is not None else 0, N if ht is not None else 0,
         h0.stride(0) if h0 is not None else 0, ht.stride(0) if ht is not None else 0, 0, 0, 0,
+        *token_strides(q), *token_strides(k), *token_strides(v), *token_strides(g), *token_strides(beta),
+        *token_strides(out),
         H=H, HV=HV, K=K, V=V, IDX_COLS=1, BK=BK, BV=BV,
         HAS_INDICES=False, USE_H0=h0 is not None, WRITE=WRITE_FINAL_TO_READ_ROW if ht is not None else WRITE_NONE,
         OUT=OUT_O if o is not None else (OUT_U if u is not None else OUT_NONE), HAS_ACCEPTED=False,

@@ -76,6 +76,15 @@ def check_triton_dtypes(tensors: dict) -> None:
                             "use KDAKIT_BACKEND=torch for float64")
 
 
+def check_token_strides(name: str, x) -> None:
+    """A token tensor the Triton kernels read through its (batch, token, head) strides: a view of a wider tensor
+    (one of a fused projection's ``split``, a ``transpose``d batch/time, a slice of heads) is read in place, with
+    no copy; only the last dimension must have unit stride (a size-1 one may have any). Metadata only."""
+    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit stride in its last dimension (a view of a wider tensor is fine), "
+                         f"got strides {tuple(x.stride())}")
+
+
 def _check_offsets_meta(name: str, cu) -> None:
     """Kind, dtype and shape of a ``cu_seqlens``-like tensor (metadata only: nothing is read)."""
     if not isinstance(cu, torch.Tensor):

@@ -47,6 +47,8 @@ from collections import OrderedDict
 
 import torch
 
+from kdakit.ops.kda.validate import check_token_strides
+
 # How many call signatures a workspace remembers for graph capture (least recently used go first).
 MAX_PREPARED_SIGNATURES = 256
 # How many host-derived launch plans a workspace keeps for eager reuse (plans a capture used are kept apart).
@@ -221,8 +223,11 @@ def check_prepared_for_capture(ws: Workspace, signature: tuple, what: str) -> bo
     return True
 
 
-def check_out(name: str, out, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Check a preallocated output: a contiguous tensor of the expected shape, dtype and device."""
+def check_out(name: str, out, shape, dtype: torch.dtype, device: torch.device, *,
+              token_view: bool = False) -> torch.Tensor:
+    """Check a preallocated output: a contiguous tensor of the expected shape, dtype and device. ``token_view``:
+    a per-token output the kernels write through its (batch, token, head) strides (``o``), so a view of a wider
+    tensor is taken as it is: it needs a unit stride in its last dimension and no two elements in one place."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
     if tuple(out.shape) != tuple(shape):
@@ -231,6 +236,24 @@ def check_out(name: str, out, shape, dtype: torch.dtype, device: torch.device) -
         raise TypeError(f"{name} must have dtype {dtype}, got {out.dtype}")
     if out.device != torch.device(device):
         raise ValueError(f"{name} must be on {device}, got {out.device}")
-    if not out.is_contiguous():
+    if token_view:
+        check_token_strides(name, out)
+        if not _non_overlapping(out):
+            raise ValueError(f"{name} must not overlap itself (every element its own memory, as a view of a wider "
+                             f"tensor), got shape {list(out.shape)} with strides {tuple(out.stride())}")
+    elif not out.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {tuple(out.stride())}")
     return out
+
+
+def _non_overlapping(x: torch.Tensor) -> bool:
+    """Whether no two elements of x share memory, by a sufficient rule: each dimension's stride, in increasing
+    order, at least the extent the smaller ones span (what a view of a dense tensor keeps)."""
+    if x.numel() == 0:
+        return True
+    extent = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz > 1):
+        if stride < extent:
+            return False
+        extent += stride * (size - 1)
+    return True

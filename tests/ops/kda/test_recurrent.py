@@ -275,11 +275,16 @@ def test_forward_rejects_bad_arguments(triton_backend, extra, exc, pattern):
         _fwd(t, kw, **extra)
 
 
-def test_forward_rejects_non_contiguous_and_wide_heads(triton_backend):
+def test_forward_rejects_non_unit_last_stride_and_wide_heads(triton_backend):
     t, kw = _small()
-    t["q"] = torch.cat([t["q"], t["q"]], dim=-1)[..., :8]  # right shape, strided
-    with pytest.raises(ValueError, match="^q must be contiguous"):
+    t["q"] = torch.cat([t["q"], t["q"]], dim=-1)[..., ::2]  # right shape, last stride 2
+    with pytest.raises(ValueError, match="^q must have a unit stride in its last dimension"):
         _fwd(t, kw)
+    # a view with a unit last stride is read in place (tests/ops/kda/test_strided_views.py)
+    t, kw = _small()
+    ref = _fwd(t, kw)
+    t["q"] = torch.cat([t["q"], t["q"]], dim=-1)[..., :8]
+    assert not t["q"].is_contiguous() and all(torch.equal(a, b) for a, b in zip(_fwd(t, kw), ref) if a is not None)
     t, kw = _small()
     for n in ("q", "k"):
         t[n] = torch.randn(1, 4, 1, 300)
