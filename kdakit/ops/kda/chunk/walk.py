@@ -37,6 +37,8 @@ they would need the K dimension split in 64-wide halves.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -61,12 +63,16 @@ from kdakit.ops.kda.options import KDAOptions
 # fp32 operands do not fit the register file at any block tried (V blocks 16-64, one or two stages; K is not split):
 # every fp32 walk keeps a spill, the least at 16-wide V blocks and one stage (sm_90a ptxas, K = V = 128), within
 # WALK_SPILL_BUDGET, which the build test checks. Their speed has not been measured.
+# The V block of a walk is the widest candidate whose grid (sequences x value heads x V blocks) still gives every SM a
+# program: a walk is one serial chain of chunks per program, so with few (sequence, head) pairs (one sequence of 16
+# heads, the layer's shape) narrower blocks buy parallelism, while with many pairs wider blocks load W, qg, kd and
+# the gate fewer times per state element.
 WALK_FWD_WARPS = 4
 WALK_FWD_STAGES = {"bf16": 2, "fp32": 1}
-WALK_FWD_BLOCK_V = {"bf16": 64, "fp32": 16}
+WALK_FWD_BLOCK_V = {"bf16": (64, 32, 16), "fp32": (16,)}  # candidates, widest first
 WALK_BWD_WARPS = 4
 WALK_BWD_STAGES = 1
-WALK_BWD_BLOCK_V = {"bf16": 32, "fp32": 16}
+WALK_BWD_BLOCK_V = {"bf16": (32, 16), "fp32": (16,)}
 DAV_WARPS = 4
 DAV_STAGES = 1
 DAV_BLOCK_V = {"bf16": 128, "fp32": 32}
@@ -319,6 +325,27 @@ def _table_dims(table, seq_rows) -> int:
     return seq_rows.shape[0]
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int | None:
+    """The device's SM count (None off CUDA: the interpreter)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def walk_block_v(candidates: tuple, pairs: int, V: int, sms: int | None) -> int:
+    """The walk's V block: the widest of ``candidates`` (each capped at V's block) whose grid of ``pairs``
+    (sequence, value head) chains times ``cdiv(V, BV)`` covers ``sms`` SMs, else the narrowest; the widest when
+    ``sms`` is None."""
+    blocks = [min(bv, block_size(V)) for bv in candidates]
+    if sms is None:
+        return blocks[0]
+    for bv in blocks:
+        if pairs * triton.cdiv(V, bv) >= sms:
+            return bv
+    return blocks[-1]
+
+
 def _flags(dtype: torch.dtype) -> dict:
     """Constexprs of the token dtype: bf16 dot operands for 16-bit slots, the interpreter's emulation."""
     if dtype not in TOKEN_DTYPES:
@@ -346,7 +373,7 @@ def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
     if N * HV == 0 or n == 0:
         return
     kind = operand_kind(u.dtype)
-    BV = min(WALK_FWD_BLOCK_V[kind], block_size(V))
+    BV = walk_block_v(WALK_FWD_BLOCK_V[kind], N * HV, V, sm_count(u.device))
     so = o.stride()[:3] if o is not None else (0, 0, 0)
     chunk_walk_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
         table, seq_rows, w, u, qg, kd, aqk, gc, carry, h, o if o is not None else u, float(opts.scale), HV, *so,
@@ -373,7 +400,7 @@ def run_walk_bwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
     _check_tokens("do", do, HV, V)
     if N * HV == 0 or n == 0:
         return
-    BV = min(WALK_BWD_BLOCK_V[operand_kind(w.dtype)], block_size(V))
+    BV = walk_block_v(WALK_BWD_BLOCK_V[operand_kind(w.dtype)], N * HV, V, sm_count(w.device))
     chunk_walk_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         table, seq_rows, w, qg, kd, gc, do, carry, dh, dvs, float(opts.scale), HV, *do.stride()[:3],
         K=K, V=V, C=CHUNK, BK=block_size(K), BV=BV, **flags, LOOP_WHILE=triton_interpreting(),

@@ -269,6 +269,21 @@ def test_launcher_checks():
         run_dav(opts, table, x["do"], x["u"], x["aqk"], torch.empty(n, 4, C, C - 1), x["dvs"])
 
 
+def test_walk_block_v():
+    from kdakit.ops.kda.chunk.walk import walk_block_v
+
+    fwd, bwd = (64, 32, 16), (32, 16)
+    assert walk_block_v(fwd, 96, 128, 132) == 64  # 1 x H96: 192 programs
+    assert walk_block_v(bwd, 96, 128, 132) == 32  # 384 programs
+    assert walk_block_v(fwd, 16, 128, 132) == 16  # one sequence of 16 heads: the narrowest (128 programs)
+    assert walk_block_v(fwd, 48, 128, 132) == 32  # 96 programs at 64, 192 at 32
+    assert walk_block_v(fwd, 128, 128, 132) == 64  # 8 x H16 and 1 x H128
+    assert walk_block_v(fwd, 16, 128, None) == 64  # no SM count (the interpreter): the widest
+    assert walk_block_v(fwd, 1, 32, 132) == 16  # too few programs at any block: the narrowest
+    assert walk_block_v(fwd, 200, 32, 132) == 32  # each candidate capped at V's block
+    assert walk_block_v((16,), 1, 128, 132) == 16
+
+
 # sm_90a builds at the launchers' configs, K = V = 128 (what the H200 runs)
 _BUILD = r"""
 from tests.ops.kda._sm90_build import print_reports, sm90_report
@@ -282,17 +297,19 @@ for tok in ("bf16", "fp16", "fp32"):
     T = "*" + tok
     fl = dict(OP_BF16=tok != "fp32", EMULATE=False, DOT_PREC="tf32x3" if tok == "fp32" else "tf32")
     kind = "fp32" if tok == "fp32" else "bf16"
-    for store_o in (True, False):
-        out[f"fwd/{tok}/store_o={store_o}"] = build(
-            W.chunk_walk_fwd_kernel, dict(table="*i32", seq_rows="*i32", w=T, u=T, qg=T, kd=T, aqk=T, gc="*fp32",
-                                          carry="*fp32", h=T, o=T, scale="fp32"),
-            dict(K=128, V=128, C=64, BK=128, BV=W.WALK_FWD_BLOCK_V[kind], STORE_O=store_o, LOOP_WHILE=False, **fl),
-            W.WALK_FWD_WARPS, W.WALK_FWD_STAGES[kind])
-    out[f"bwd/{tok}"] = build(
-        W.chunk_walk_bwd_kernel, dict(table="*i32", seq_rows="*i32", w=T, qg=T, kd=T, gc="*fp32", do=T,
-                                      carry="*fp32", dh=T, dvs="*fp32", scale="fp32"),
-        dict(K=128, V=128, C=64, BK=128, BV=W.WALK_BWD_BLOCK_V[kind], LOOP_WHILE=False, **fl),
-        W.WALK_BWD_WARPS, W.WALK_BWD_STAGES)
+    for bv in W.WALK_FWD_BLOCK_V[kind]:
+        for store_o in (True, False):
+            out[f"fwd/{tok}/bv={bv}/store_o={store_o}"] = build(
+                W.chunk_walk_fwd_kernel, dict(table="*i32", seq_rows="*i32", w=T, u=T, qg=T, kd=T, aqk=T,
+                                              gc="*fp32", carry="*fp32", h=T, o=T, scale="fp32"),
+                dict(K=128, V=128, C=64, BK=128, BV=bv, STORE_O=store_o, LOOP_WHILE=False, **fl),
+                W.WALK_FWD_WARPS, W.WALK_FWD_STAGES[kind])
+    for bv in W.WALK_BWD_BLOCK_V[kind]:
+        out[f"bwd/{tok}/bv={bv}"] = build(
+            W.chunk_walk_bwd_kernel, dict(table="*i32", seq_rows="*i32", w=T, qg=T, kd=T, gc="*fp32", do=T,
+                                          carry="*fp32", dh=T, dvs="*fp32", scale="fp32"),
+            dict(K=128, V=128, C=64, BK=128, BV=bv, LOOP_WHILE=False, **fl),
+            W.WALK_BWD_WARPS, W.WALK_BWD_STAGES)
     out[f"dav/{tok}"] = build(
         W.chunk_dav_kernel, dict(table="*i32", do=T, u=T, aqk=T, daqk="*fp32", dvs="*fp32"),
         dict(V=128, C=64, BV=W.DAV_BLOCK_V[kind], **fl), W.DAV_WARPS, W.DAV_STAGES)
@@ -302,7 +319,10 @@ print_reports(out)
 
 def test_sm90_build():
     res = read_reports(run_sm90_build(_BUILD))
-    assert len(res) == 12
+    from kdakit.ops.kda.chunk import walk as W
+
+    per_tok = {k: 2 * len(W.WALK_FWD_BLOCK_V[k]) + len(W.WALK_BWD_BLOCK_V[k]) + 1 for k in ("bf16", "fp32")}
+    assert len(res) == 2 * per_tok["bf16"] + per_tok["fp32"]
     from kdakit.ops.kda.chunk.walk import WALK_SPILL_BUDGET
 
     for name, r in res.items():
