@@ -58,6 +58,15 @@ PEAK_BUDGET = 1.10
 H200_SMS = 132
 _ALLOC_ROUND = 512
 
+# The Triton chunk pipelines, the gate kinds that pick among them by default, and the 64-token pipelines' default
+# windows in tokens (docs/chunk_pipeline.md). The safe gate keeps the 16-token path; the unbounded gates (softplus
+# in kernel, a precomputed log-decay) run the 64-token pipeline.
+PIPELINES = ("windowed16", "chunk64", "chunk64_fast")
+GATE_KINDS = ("safe", "softplus", "raw")
+DEFAULT_PIPELINE = {"safe": "windowed16", "softplus": "chunk64", "raw": "chunk64"}
+CHUNK64_WINDOW = {"chunk64": 1024, "chunk64_fast": 2048}
+CHUNK64 = 64
+
 GROUPS = (
     "inputs/dO/O",
     "saved forward activations",
@@ -131,6 +140,12 @@ class KDAPlan:
     events: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     num_chunks: int = 0  # chunks of C tokens over all sequences (the forward intra kernel's grid)
     checkpoint_dtype: torch.dtype = torch.float32
+    pipeline: str = "windowed16"
+    gate: str = "safe"
+    g_dtype: torch.dtype | None = None  # g's and dg's dtype (None: the token dtype)
+    window_tokens: int = 0  # the 64-token pipelines' window (0 for windowed16)
+    num_windows: int = 0
+    max_slots: int = 0  # rows of the 64-token pipelines' window scratch (chunk.plan.ChunkPlan.max_slots)
 
     @property
     def workspace_bytes(self) -> int:
@@ -228,6 +243,53 @@ def forward_chunk_table(lengths: Sequence[int], device=None) -> torch.Tensor:
     return host_to_device(table.to(torch.int32), device)
 
 
+def gate_kind(use_gate_in_kernel: bool = False, safe_gate: bool = False, lower_bound: float | None = None, *,
+              opts=None) -> str:
+    """The call's gate as the pipeline choice sees it: ``"raw"`` (``use_gate_in_kernel=False``: g is the
+    log-decay), ``"safe"`` (the in-kernel gate on the SAFE path, ``KDAOptions.safe``: ``safe_gate`` or a
+    ``lower_bound`` in [-5, 0)) or ``"softplus"`` (any other in-kernel gate: unbounded per token). ``opts``: a
+    ``KDAOptions`` to read instead of the flags."""
+    if opts is not None:
+        return "raw" if not opts.use_gate_in_kernel else ("safe" if opts.safe else "softplus")
+    if not use_gate_in_kernel:
+        return "raw"
+    return "safe" if bool(safe_gate) or (lower_bound is not None and lower_bound >= -5.0) else "softplus"
+
+
+def resolve_pipeline(pipeline: str | None, gate: str) -> str:
+    """The pipeline a call runs: ``pipeline`` as named, or ``DEFAULT_PIPELINE[gate]`` for None."""
+    if gate not in GATE_KINDS:
+        raise ValueError(f"gate must be one of {GATE_KINDS}, got {gate!r}")
+    if pipeline is None:
+        return DEFAULT_PIPELINE[gate]
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {(None,) + PIPELINES}, got {pipeline!r}")
+    return pipeline
+
+
+def chunk64_window(pipeline: str, window_tokens: int | None = None) -> int:
+    """The window of a 64-token pipeline in tokens: ``window_tokens``, else ``CHUNK64_WINDOW[pipeline]``."""
+    if pipeline not in CHUNK64_WINDOW:
+        raise ValueError(f"pipeline must be one of {tuple(CHUNK64_WINDOW)} for a 64-token window, got {pipeline!r}")
+    if window_tokens is None:
+        return CHUNK64_WINDOW[pipeline]
+    if isinstance(window_tokens, bool) or not isinstance(window_tokens, int) or window_tokens <= 0 \
+            or window_tokens % CHUNK64:
+        raise ValueError(f"window_tokens must be a positive multiple of {CHUNK64}, got {window_tokens!r}")
+    return window_tokens
+
+
+def chunk64_windows(lengths: Sequence[int], window_tokens: int) -> tuple[int, int, int]:
+    """``(n_chunks, n_windows, max_slots)`` of the 64-token pipeline's chunk plan (``chunk.plan.make_chunk_plan``):
+    window w holds chunks ``[w * wc, (w + 1) * wc)`` of every sequence; max_slots is the largest window's row count."""
+    counts = [-(-int(n) // CHUNK64) for n in lengths]
+    most = max(counts, default=0)
+    wc = window_tokens // CHUNK64
+    n_windows = max(-(-most // wc), 1)
+    slots = max((sum(max(min((w + 1) * wc, c) - w * wc, 0) for c in counts) for w in range(n_windows)), default=0)
+    return sum(counts), n_windows, slots
+
+
 def _check_cadence(L) -> None:
     if isinstance(L, bool) or not isinstance(L, int) or L <= 0 or L % CHUNK_SIZE != 0:
         raise ValueError(
@@ -273,8 +335,9 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
              dtype: torch.dtype | None = None, seqlens: Sequence[int] | None = None, cu_seqlens=None,
              checkpoint_every_n_tokens: int | None = None, initial_state: bool = False,
              initial_state_dtype: torch.dtype = torch.float32, output_final_state: bool = False,
-             gate_params: bool = True, backend: str = "triton", block_v: int | None = None,
-             num_sms: int = H200_SMS, checkpoint_dtype: torch.dtype | None = None) -> KDAPlan:
+             gate_params: bool | None = None, backend: str = "triton", block_v: int | None = None,
+             num_sms: int = H200_SMS, checkpoint_dtype: torch.dtype | None = None, pipeline: str | None = None,
+             gate: str = "safe", window_tokens: int | None = None, g_dtype: torch.dtype | None = None) -> KDAPlan:
     """Plan a ``chunk_kda`` training call (forward + backward) from shapes alone.
 
     Shapes come from tensors ``q`` ``[B, T, H, K]`` and ``v`` ``[B, T, HV, V]`` (metadata only)
@@ -288,7 +351,37 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
     ``DENSE_CHECKPOINT_TOKENS`` whose predicted peak is within ``PEAK_BUDGET`` x the floor, else
     ``default_checkpoint_tokens``. ``backend`` is 'triton' (exact model)
     or 'torch' (the PyTorch path: checkpoints and floor only, ``peak_model = 'lower bound'``).
+
+    ``pipeline``: the Triton pipeline priced, ``"windowed16"``, ``"chunk64"`` (windows recomputed in the backward)
+    or ``"chunk64_fast"`` (the forward's per-chunk intermediates kept); None: ``DEFAULT_PIPELINE[gate]``, the one
+    ``chunk_kda`` runs for that gate. ``gate``: ``gate_kind`` of the call, ``"safe"`` (the memory protocol's,
+    default), ``"softplus"`` or ``"raw"``; ``gate_params`` None means ``gate != "raw"`` (a raw gate has none).
+    ``window_tokens``: the 64-token pipelines' window, a multiple of 64 (``chunk_kda`` takes it as
+    ``checkpoint_every_n_tokens``, so either names it; default ``CHUNK64_WINDOW[pipeline]``). ``g_dtype``: g's
+    dtype (and dg's), default the token dtype; Kimi Linear passes a raw fp32 log-decay with bf16 tokens.
     """
+    if gate not in GATE_KINDS:
+        raise ValueError(f"gate must be one of {GATE_KINDS}, got {gate!r}")
+    if gate_params is None:
+        gate_params = gate != "raw"
+    elif gate_params and gate == "raw":
+        raise ValueError("gate_params=True needs an in-kernel gate (A_log and dt_bias are read only for it), got "
+                         "gate='raw'")
+    pipeline = resolve_pipeline(pipeline, gate)
+    if pipeline == "windowed16":
+        if window_tokens is not None:
+            raise ValueError(f"window_tokens is for the 64-token pipelines, got {window_tokens!r} with "
+                             "pipeline='windowed16' (its cadence is checkpoint_every_n_tokens)")
+    else:
+        if backend != "triton":
+            raise ValueError(f"pipeline={pipeline!r} is a Triton pipeline: backend must be 'triton', got {backend!r}")
+        if window_tokens is not None and checkpoint_every_n_tokens is not None \
+                and window_tokens != checkpoint_every_n_tokens:
+            raise ValueError(f"window_tokens and checkpoint_every_n_tokens both name the 64-token window: give one, "
+                             f"got {window_tokens!r} and {checkpoint_every_n_tokens!r}")
+        window_tokens = chunk64_window(pipeline, window_tokens if window_tokens is not None
+                                       else checkpoint_every_n_tokens)
+        checkpoint_every_n_tokens = window_tokens
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     if q is not None:
@@ -340,15 +433,20 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
         if B < 0 or T < 0:
             raise ValueError(f"B and T must be >= 0, got B={B}, T={T}")
         lengths = [T] * B
+    g_dtype = dtype if g_dtype is None else g_dtype
+    if pipeline != "windowed16":
+        return _plan_chunk64(pipeline, gate, B, T, H, HV, K, V, dtype, g_dtype, tuple(lengths),
+                             cu_seqlens is not None, window_tokens, bool(initial_state), initial_state_dtype,
+                             bool(output_final_state), bool(gate_params))
     return _plan_cached(backend, B, T, H, HV, K, V, dtype, tuple(lengths), cu_seqlens is not None,
                         checkpoint_every_n_tokens, bool(initial_state), initial_state_dtype, bool(output_final_state),
-                        bool(gate_params), block_v, num_sms, checkpoint_dtype)
+                        bool(gate_params), block_v, num_sms, checkpoint_dtype, gate, g_dtype)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_every_n_tokens, initial_state,
                  initial_state_dtype, output_final_state, gate_params, block_v, num_sms,
-                 checkpoint_dtype) -> KDAPlan:
+                 checkpoint_dtype, gate="safe", g_dtype=None) -> KDAPlan:
     """plan_kda's body on normalized, hashable arguments, memoized: a training loop plans the same shapes every
     step, and building the plan was most of kdakit's host time per call (~0.4 ms on the 2-core CPU machine;
     on the H200 host the forward's wall time exceeded its kernel time by ~1.5 ms at 1 x 8K H96). KDAPlan is
@@ -364,7 +462,7 @@ def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_
             for dense in (c for c in DENSE_CHECKPOINT_TOKENS if c < L):
                 p = _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, dense, initial_state,
                                  initial_state_dtype, output_final_state, gate_params, block_v, num_sms,
-                                 checkpoint_dtype)
+                                 checkpoint_dtype, gate, g_dtype)
                 if p.predicted_peak_bytes <= PEAK_BUDGET * p.floor_bytes:
                     return p
     else:
@@ -378,29 +476,10 @@ def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
 
     f32 = torch.float32
-    allocs: list[Allocation] = []
-    events: list[tuple[str, str]] = []  # ("alloc" | "free", name) in program order
-
-    def add(name, shape, dt, group, phase, live=True):
-        allocs.append(Allocation(name, tuple(int(s) for s in shape), dt, group, phase))
-        if live:
-            events.append(("alloc", name))
-
-    def free(*names):
-        events.extend(("free", n) for n in names)
-
-    # Held by the caller before the call (docs/spec.md §3 protocol: dO exists up front).
-    for name, shape in (("q", (B, T, H, K)), ("k", (B, T, H, K)), ("v", (B, T, HV, V)),
-                        ("g", (B, T, HV, K)), ("beta", (B, T, HV))):
-        add(name, shape, dtype, "inputs/dO/O", "forward")
-    if gate_params:
-        add("A_log", (HV,), f32, "inputs/dO/O", "forward")
-        add("dt_bias", (HV * K,), f32, "inputs/dO/O", "forward")
-    if varlen:
-        add("cu_seqlens", (N + 1,), torch.int64, "inputs/dO/O", "forward")
-    if initial_state:
-        add("initial_state", (N, HV, K, V), initial_state_dtype, "inputs/dO/O", "forward")
-    add("do", (B, T, HV, V), dtype, "inputs/dO/O", "backward")
+    g_dtype = dtype if g_dtype is None else g_dtype
+    allocs, events, add, free = _recorder()
+    _caller_tensors(add, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, dtype=dtype, g_dtype=g_dtype, varlen=varlen,
+                    gate_params=gate_params, initial_state=initial_state, initial_state_dtype=initial_state_dtype)
 
     # Forward: O, the final state, the checkpoints and their row offsets (both saved for backward).
     add("o", (B, T, HV, V), dtype, "inputs/dO/O", "forward")
@@ -431,11 +510,9 @@ def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_
     if backend == "triton":
         _plan_windowed_backward(add, free, events, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, L=L, L2=L2, dtype=dtype,
                                 initial_state=initial_state, initial_state_dtype=initial_state_dtype,
-                                gate_params=gate_params)
+                                gate_params=gate_params, g_dtype=g_dtype)
     else:
-        for name, shape in (("dq", (B, T, H, K)), ("dk", (B, T, H, K)), ("dv", (B, T, HV, V)),
-                            ("dg", (B, T, HV, K)), ("dbeta", (B, T, HV))):
-            add(name, shape, dtype, "gradient outputs", "backward")
+        _token_grads(add, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype)
         if gate_params:
             add("dA_log", (HV,), f32, "gradient outputs", "backward")
             add("ddt_bias", (HV * K,), f32, "gradient outputs", "backward")
@@ -443,18 +520,7 @@ def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_
             add("d_initial_state", (N, HV, K, V), initial_state_dtype, "gradient outputs", "backward")
     events.append(("mark", "backward end"))
 
-    size = {a.name: a.allocated_bytes for a in allocs}
-    cur = peak = fwd_peak = 0
-    peak_at = "start"
-    for kind, name in events:
-        if kind == "alloc":
-            cur += size[name]
-        elif kind == "free":
-            cur -= size[name]
-        elif name == "forward":
-            fwd_peak = cur
-        if cur > peak:
-            peak, peak_at = cur, name if kind == "mark" else f"after allocating {name}"
+    peak, peak_at, fwd_peak = _replay(allocs, events)
 
     def total(pred) -> int:
         return sum(a.allocated_bytes for a in allocs if pred(a))
@@ -474,20 +540,77 @@ def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_
         predicted_peak_bytes=peak if backend == "triton" else floor + saved, peak_at=peak_at,
         events=tuple(events), checkpoint_dtype=checkpoint_dtype,
         allocations=tuple(allocs), peak_model="exact" if backend == "triton" else "lower bound",
-        num_chunks=n_chunks,
+        num_chunks=n_chunks, gate=gate, g_dtype=g_dtype,
     )
 
 
+def _recorder():
+    """``(allocations, events, add, free)``: ``add`` lists an allocation (and its "alloc" event unless
+    ``live=False``), ``free`` appends "free" events."""
+    allocs: list[Allocation] = []
+    events: list[tuple[str, str]] = []
+
+    def add(name, shape, dt, group, phase, live=True):
+        allocs.append(Allocation(name, tuple(int(s) for s in shape), dt, group, phase))
+        if live:
+            events.append(("alloc", name))
+
+    def free(*names):
+        events.extend(("free", n) for n in names)
+
+    return allocs, events, add, free
+
+
+def _caller_tensors(add, *, B, T, H, HV, K, V, N, dtype, g_dtype, varlen, gate_params, initial_state,
+                    initial_state_dtype) -> None:
+    """What the caller holds before the call (docs/spec.md §3 protocol: dO exists up front)."""
+    f32 = torch.float32
+    for name, shape, dt in (("q", (B, T, H, K), dtype), ("k", (B, T, H, K), dtype), ("v", (B, T, HV, V), dtype),
+                            ("g", (B, T, HV, K), g_dtype), ("beta", (B, T, HV), dtype)):
+        add(name, shape, dt, "inputs/dO/O", "forward")
+    if gate_params:
+        add("A_log", (HV,), f32, "inputs/dO/O", "forward")
+        add("dt_bias", (HV * K,), f32, "inputs/dO/O", "forward")
+    if varlen:
+        add("cu_seqlens", (N + 1,), torch.int64, "inputs/dO/O", "forward")
+    if initial_state:
+        add("initial_state", (N, HV, K, V), initial_state_dtype, "inputs/dO/O", "forward")
+    add("do", (B, T, HV, V), dtype, "inputs/dO/O", "backward")
+
+
+def _token_grads(add, *, B, T, H, HV, K, V, dtype, g_dtype, order=("dq", "dk", "dv", "dg", "dbeta")) -> None:
+    """The token gradients in their inputs' dtypes (``torch.empty_like`` of each input), in ``order``."""
+    spec = {"dq": ((B, T, H, K), dtype), "dk": ((B, T, H, K), dtype), "dv": ((B, T, HV, V), dtype),
+            "dg": ((B, T, HV, K), g_dtype), "dbeta": ((B, T, HV), dtype)}
+    for name in order:
+        add(name, spec[name][0], spec[name][1], "gradient outputs", "backward")
+
+
+def _replay(allocs, events) -> tuple[int, str, int]:
+    """``(peak, where, running total at the "forward" mark)`` of a timeline."""
+    size = {a.name: a.allocated_bytes for a in allocs}
+    cur = peak = fwd_peak = 0
+    peak_at = "start"
+    for kind, name in events:
+        if kind == "alloc":
+            cur += size[name]
+        elif kind == "free":
+            cur -= size[name]
+        elif name == "forward":
+            fwd_peak = cur
+        if cur > peak:
+            peak, peak_at = cur, name if kind == "mark" else f"after allocating {name}"
+    return peak, peak_at, fwd_peak
+
+
 def _plan_windowed_backward(add, free, events, *, B, T, H, HV, K, V, N, L, L2, dtype, initial_state,
-                            initial_state_dtype, gate_params) -> None:
+                            initial_state_dtype, gate_params, g_dtype) -> None:
     """The windowed backward's allocations in launcher order (``chunk_bwd_windowed.run_windowed``):
     the five token gradients, the parameter partials, dh0 (which doubles as the state-gradient carry)
     or a carry, the window-start / chunk-state / chunk-state-gradient slots; the slots and the carry
     are freed before the parameter sums."""
     f32 = torch.float32
-    for name, shape in (("dq", (B, T, H, K)), ("dk", (B, T, H, K)), ("dv", (B, T, HV, V)),
-                        ("dg", (B, T, HV, K)), ("dbeta", (B, T, HV))):
-        add(name, shape, dtype, "gradient outputs", "backward")
+    _token_grads(add, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype)
     ws = backward_workspace_allocations(N, HV, K, V, T, L, None, dtype, initial_state=initial_state,
                                         gate_params=gate_params, recompute_every_n_tokens=L2, H=H)
     partials = [w for w in ws if w[0].endswith("_partials")]
@@ -511,6 +634,160 @@ def _plan_windowed_backward(add, free, events, *, B, T, H, HV, K, V, N, L, L2, d
         add("d_initial_state", (N, HV, K, V), initial_state_dtype, "gradient outputs", "backward")
         events.append(("mark", "initial-state gradient cast"))
         free("d_initial_state_fp32")
+
+
+# ---- the 64-token pipelines (kdakit/ops/kda/chunk/: forward.py, backward.py, autograd.py allocate exactly this) ----
+
+def chunk64_forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype) -> list:
+    """``(name, shape, dtype)`` of ``chunk.forward.forward_slots`` for n rows, in its order."""
+    f32, C = torch.float32, CHUNK64
+    return [("gc", (n, HV, C, K), f32), ("bt", (n, HV, C), f32), ("rq", (n, H, C), f32), ("rk", (n, H, C), f32),
+            ("aqk", (n, HV, C, C), dtype), ("akk_d", (n, HV, C, 16), f32), ("tinv", (n, HV, C, C), dtype),
+            ("w", (n, HV, C, K), dtype), ("qg", (n, HV, C, K), dtype), ("kd", (n, HV, C, K), dtype),
+            ("u", (n, HV, C, V), dtype), ("h", (n, HV, K, V), dtype)]
+
+
+def chunk64_backward_slots(n: int, HV: int, K: int, V: int, dtype: torch.dtype) -> list:
+    """``(name, shape, dtype)`` of ``chunk.backward.backward_slots`` for n rows, in its order."""
+    f32, C = torch.float32, CHUNK64
+    return [("dh", (n, HV, K, V), dtype), ("daqk", (n, HV, C, C), f32), ("dvs", (n, HV, C, V), f32),
+            ("dakk", (n, HV, C, C), f32), ("dqh", (n, HV, C, K), f32), ("dkh", (n, HV, C, K), f32),
+            ("dgs", (n, HV, C, K), f32), ("dgc", (n, HV, K), f32), ("dbs", (n, HV, C), f32),
+            ("dalog", (n, HV), f32), ("dbias", (n, HV, K), f32)]
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_chunk64(pipeline, gate, B, T, H, HV, K, V, dtype, g_dtype, lengths, varlen, window, initial_state,
+                  initial_state_dtype, output_final_state, gate_params) -> KDAPlan:
+    """The 64-token pipelines' step, allocation by allocation in program order (``chunk64_kda``):
+
+    * resident: the memoized chunk plan's device tensors (``make_chunk_plan``: the table int32 ``[chunks, 4]`` and
+      ``seq_rows`` int32 ``[windows, N, 2]``), built by a call's first step and kept by the plan cache across
+      calls, so they are live through every step (allocated first here, never freed);
+    * forward (``chunk_fwd``): o; the fp32 state carry (zeros, or the initial state's fp32 copy: a bf16 state
+      goes through an fp32 cast first); ``chunk64``: the fp32 checkpoints ``[windows, N, HV, K, V]`` (saved) and
+      the slots of the largest window (freed at return); ``chunk64_fast``: the slots of every chunk (saved: the
+      backward reads them, ``ctx.kept``). The carry is the final state when one is returned, else freed;
+    * backward (``chunk_bwd``): dq, dk, dg, dv, dbeta; ``chunk64``: the forward slots again (one window); the
+      backward slots (one window); dA_log ``[HV]`` and ddt_bias ``[HV, K]`` (fp32, zeros); the fp32 dS carry
+      (which is dh0) and, for ``chunk64``, the state carry; per window with the gate's parameters the
+      ``.sum(0)`` temporaries of the per-chunk partials; at return the slots and carries go, then the kept
+      slots (``ctx.kept = None``), then dh0's cast to a bf16 initial state's dtype; the saved tensors are
+      released after the backward returns.
+
+    dq and dk come out of the finishing kernel already summed over a GVA group (no per-value-head partials
+    beyond the window's dqh / dkh slots)."""
+    f32, i32 = torch.float32, torch.int32
+    N = len(lengths)
+    keep = pipeline == "chunk64_fast"
+    n_rows, n_windows, max_slots = chunk64_windows(lengths, window)
+    nonempty = sum(1 for w in range(n_windows) if _window_rows(lengths, window, w))
+    allocs, events, add, free = _recorder()
+    _caller_tensors(add, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, dtype=dtype, g_dtype=g_dtype, varlen=varlen,
+                    gate_params=gate_params, initial_state=initial_state, initial_state_dtype=initial_state_dtype)
+    state = (N, HV, K, V)
+    add("chunk_table", (n_rows, 4), i32, "workspace", "forward")
+    add("chunk_seq_rows", (n_windows, N, 2), i32, "workspace", "forward")
+
+    # forward
+    add("o", (B, T, HV, V), dtype, "inputs/dO/O", "forward")
+    carry = "final_state" if output_final_state else "fwd_state_carry"
+    carry_group = "inputs/dO/O" if output_final_state else "workspace"
+    if initial_state and initial_state_dtype != f32:
+        add("fwd_initial_state_fp32", state, f32, "workspace", "forward")
+        add(carry, state, f32, carry_group, "forward")
+        free("fwd_initial_state_fp32")
+    else:
+        add(carry, state, f32, carry_group, "forward")
+    if not keep:
+        add("checkpoints", (n_windows,) + state, f32, "state checkpoints", "saved")
+    fwd_slots = ["fwd_" + name for name, _, _ in chunk64_forward_slots(0, H, HV, K, V, dtype)]
+    for name, shape, dt in chunk64_forward_slots(n_rows if keep else max_slots, H, HV, K, V, dtype):
+        if keep:
+            add("fwd_" + name, shape, dt, "saved forward activations", "saved")
+        else:
+            add("fwd_" + name, shape, dt, "recompute intermediates", "forward")
+    events.append(("mark", "forward"))
+    if not keep:
+        free(*fwd_slots)
+    if not output_final_state:
+        free(carry)
+    else:
+        # autograd hands a zero cotangent for an unused final state
+        add("d_final_state", state, f32, "inputs/dO/O", "backward")
+
+    # backward
+    _token_grads(add, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype,
+                 order=("dq", "dk", "dg", "dv", "dbeta"))
+    scratch = []
+    if not keep:
+        for name, shape, dt in chunk64_forward_slots(max_slots, H, HV, K, V, dtype):
+            add("bwd_" + name, shape, dt, "recompute intermediates", "backward")
+            scratch.append("bwd_" + name)
+    for name, shape, dt in chunk64_backward_slots(max_slots, HV, K, V, dtype):
+        add("bwd_" + name, shape, dt, "stage buffers", "backward")
+        scratch.append("bwd_" + name)
+    if gate_params:
+        add("dA_log", (HV,), f32, "gradient outputs", "backward")
+        add("ddt_bias", (HV, K), f32, "gradient outputs", "backward")
+    h0_cast = initial_state and initial_state_dtype != f32
+    if not initial_state:
+        dcarry = "bwd_state_grad_carry"
+        add(dcarry, state, f32, "workspace", "backward")
+        scratch.append(dcarry)
+    else:
+        add("d_initial_state_fp32" if h0_cast else "d_initial_state", state, f32,
+            "stage buffers" if h0_cast else "gradient outputs", "backward")
+    if not keep:
+        add("bwd_state_carry", state, f32, "workspace", "backward")
+        scratch.append("bwd_state_carry")
+    if gate_params:
+        add("dA_log_sum", (HV,), f32, "workspace", "backward", live=False)
+        add("ddt_bias_sum", (HV, K), f32, "workspace", "backward", live=False)
+        for _ in range(nonempty):
+            for name in ("dA_log_sum", "ddt_bias_sum"):
+                events.append(("alloc", name))
+                free(name)
+    events.append(("mark", "backward kernels"))
+    free(*scratch)
+    if keep:
+        free(*fwd_slots)
+    if h0_cast:
+        add("d_initial_state", state, initial_state_dtype, "gradient outputs", "backward")
+        events.append(("mark", "initial-state gradient cast"))
+        free("d_initial_state_fp32")
+    if not keep:
+        free("checkpoints")
+    if output_final_state:
+        free("d_final_state")
+    events.append(("mark", "backward end"))
+
+    peak, peak_at, fwd_peak = _replay(allocs, events)
+
+    def total(pred) -> int:
+        return sum(a.allocated_bytes for a in allocs if pred(a))
+
+    floor = total(lambda a: a.group in ("inputs/dO/O", "gradient outputs"))
+    saved = total(lambda a: a.phase == "saved")
+    bwd_ws = total(lambda a: a.name in scratch or a.name == "ddt_bias_sum")
+    fwd_ws = total(lambda a: a.phase == "forward" and a.group in ("workspace", "recompute intermediates")
+                   and not a.name.startswith("chunk_"))
+    return KDAPlan(
+        backend="triton", B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, seqlens=tuple(lengths),
+        chunk_size=CHUNK64, checkpoint_every_n_tokens=window, recompute_every_n_tokens=window,
+        recompute_in_backward=not keep, block_v=0, num_sequences=N, num_checkpoints=0 if keep else n_windows * N,
+        checkpoint_bytes=total(lambda a: a.name == "checkpoints"), saved_bytes=saved,
+        forward_workspace_bytes=fwd_ws, backward_workspace_bytes=bwd_ws,
+        transient_bytes=peak - (floor + saved + bwd_ws), floor_bytes=floor, forward_peak_bytes=fwd_peak,
+        predicted_peak_bytes=peak, peak_at=peak_at, events=tuple(events), checkpoint_dtype=f32,
+        allocations=tuple(allocs), num_chunks=n_rows, pipeline=pipeline, gate=gate, g_dtype=g_dtype,
+        window_tokens=window, num_windows=n_windows, max_slots=max_slots,
+    )
+
+
+def _window_rows(lengths, window_tokens: int, w: int) -> int:
+    wc = window_tokens // CHUNK64
+    return sum(max(min((w + 1) * wc, -(-int(n) // CHUNK64)) - w * wc, 0) for n in lengths)
 
 
 # ---- the windowed backward's workspace (chunk_bwd_windowed allocates exactly this) ----

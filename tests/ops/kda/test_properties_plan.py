@@ -145,7 +145,9 @@ def test_plan_kda_shapes_are_what_chunk_kda_returns(c, cadence):
                  initial_state=c.state is not None, output_final_state=c.final, backend="torch",
                  gate_params="A_log" in t and "dt_bias" in t)
     assert p.checkpoint_every_n_tokens == 16 * cadence and p.seqlens == tuple(c.seqlens or (c.T,) * c.B)
-    got = check_against_definition(c, chunk_kda, checkpoint_every_n_tokens=p.checkpoint_every_n_tokens)
+    # the 16-token pipeline's cadence (any multiple of 16): named, since an unbounded gate defaults to chunk64
+    got = check_against_definition(c, chunk_kda, checkpoint_every_n_tokens=p.checkpoint_every_n_tokens,
+                                   pipeline="windowed16")
     plan = {a.name: a for a in p.allocations}
     pairs = {"o": "o", "final_state": "final_state", "dq": "dq", "dk": "dk", "dv": "dv", "dg": "dg",
              "dbeta": "dbeta", "dinitial_state": "d_initial_state"}
