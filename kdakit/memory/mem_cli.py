@@ -39,6 +39,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="bf16", help=f"token dtype: {', '.join(TOKEN_DTYPES)} (default bf16)")
     g.add_argument("--gate", default=None,
                    help="safe (lower bound -5), softplus or precomputed, for cells that name no gate (default safe)")
+    g.add_argument("--gate-dtype", default=None,
+                   help="g's dtype (and dg's): bf16, fp16, fp32 (default fp32 for precomputed, else --dtype)")
+    g.add_argument("--pipeline", default=None, choices=("windowed16", "chunk64", "chunk64_fast"),
+                   help="kdakit's Triton pipeline (default: chunk_kda's for the gate: windowed16 for safe, chunk64 "
+                        "for softplus and precomputed); --checkpoint-every is a 64-token pipeline's window")
     g.add_argument("--no-l2norm", action="store_true", help="without in-kernel q/k l2norm")
     g.add_argument("--no-beta-sigmoid", action="store_true", help="without in-kernel beta sigmoid")
     g.add_argument("--no-gate-params", action="store_true", help="without A_log and dt_bias")
@@ -55,6 +60,9 @@ def _spec(args, cell: Cell):
 
     if args.dtype.lower() not in TOKEN_DTYPES:
         raise CommandError(f"--dtype must be one of {', '.join(TOKEN_DTYPES)}, got {args.dtype!r}")
+    gate_dtype = getattr(args, "gate_dtype", None)
+    if gate_dtype is not None and gate_dtype.lower() not in TOKEN_DTYPES:
+        raise CommandError(f"--gate-dtype must be one of {', '.join(TOKEN_DTYPES)}, got {gate_dtype!r}")
     qk_heads = args.qk_heads
     if cell.value_heads is not None:
         if qk_heads is not None and qk_heads != cell.heads:
@@ -70,6 +78,7 @@ def _spec(args, cell: Cell):
         use_beta_sigmoid=not args.no_beta_sigmoid, gate_params=not args.no_gate_params,
         initial_state=args.initial_state, output_final_state=args.output_final_state, varlen=not args.no_varlen,
         checkpoint_every_n_tokens=args.checkpoint_every,
+        gate_dtype=gate_dtype.lower() if gate_dtype else None, pipeline=getattr(args, "pipeline", None),
     )
 
 
@@ -153,7 +162,8 @@ def _cmd_model(args) -> int:
     if args.reserved:
         _print_reserved(models)
     for m in models:
-        print(f"{m.backend} {m.spec.label}: peak during {m.peak_stage}")
+        print(f"{m.backend} {m.spec.label}: peak during {m.peak_stage}"
+              + (f" ({m.notes[0][len('kdakit plan: '):]})" if m.backend == "kdakit" and m.notes else ""))
         if args.tensors:
             for b in sorted(m.blocks, key=lambda b: (-b.nbytes, b.name)):
                 print(f"    {b.name:<24} {b.group:<28} {b.nbytes / 2 ** 30:10.4f} GiB")

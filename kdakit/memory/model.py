@@ -69,6 +69,8 @@ _DTYPE_NAMES = {
     "bool": "bool",
 }
 GATES = ("safe", "softplus", "precomputed")
+# The Triton pipelines a modelled call may name (None: the one chunk_kda runs for its gate).
+PIPELINES = ("windowed16", "chunk64", "chunk64_fast")
 BACKENDS = ("kdakit", "fla", "reference")
 
 FLA_CHUNK = 64          # FLA's chunk_kda chunk size (default, and what the docs/spec.md §3 figures used)
@@ -130,7 +132,11 @@ class CallSpec:
     (``varlen=True``) or laid out as ``[mbs, seq, ...]`` (``varlen=False``). ``heads`` is
     the value-head count HV; ``qk_heads`` (default ``heads``) the q/k head count H.
     ``gate``: ``safe`` (lower_bound * sigmoid, in kernel), ``softplus`` (in kernel) or
-    ``precomputed`` (g is already the log-decay).
+    ``precomputed`` (g is already the log-decay). ``gate_dtype``: g's dtype (and dg's); None: fp32 for
+    ``precomputed`` (Kimi Linear computes the log-decay outside the kernel in fp32), else ``dtype``.
+    ``pipeline``: kdakit's Triton pipeline (``windowed16``, ``chunk64``, ``chunk64_fast``); None: the default
+    for the gate (``kdakit.ops.kda.plan.DEFAULT_PIPELINE``). With a 64-token pipeline
+    ``checkpoint_every_n_tokens`` is its window (a multiple of 64; default 1024, 2048 for ``chunk64_fast``).
     """
 
     mbs: int
@@ -149,6 +155,8 @@ class CallSpec:
     initial_state: bool = False
     output_final_state: bool = False
     checkpoint_every_n_tokens: int | None = None
+    gate_dtype: str | None = None
+    pipeline: str | None = None
 
     def __post_init__(self):
         for name in ("mbs", "seq", "heads", "head_dim"):
@@ -166,6 +174,19 @@ class CallSpec:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if self.dtype not in ("bf16", "fp16", "fp32", "fp64"):
             raise ValueError(f"dtype must be bf16, fp16, fp32 or fp64, got {self.dtype!r}")
+        if self.gate_dtype is not None:
+            object.__setattr__(self, "gate_dtype", dtype_name(self.gate_dtype))
+            if self.gate_dtype not in ("bf16", "fp16", "fp32", "fp64"):
+                raise ValueError(f"gate_dtype must be bf16, fp16, fp32 or fp64, got {self.gate_dtype!r}")
+        if self.pipeline is not None and self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline must be one of {PIPELINES} or None, got {self.pipeline!r}")
+
+    @property
+    def g_dtype(self) -> str:
+        """g's (and dg's) dtype name."""
+        if self.gate_dtype is not None:
+            return self.gate_dtype
+        return "fp32" if self.gate == "precomputed" else self.dtype
 
     @property
     def H(self) -> int:
@@ -223,10 +244,11 @@ def protocol_spec(mbs: int, seq: int, heads: int, **options) -> CallSpec:
 def floor_bytes(spec: CallSpec) -> int:
     """The floor of docs/spec.md §3: inputs + dO + O + their gradients (q, k, v, g, beta; state and gate params excluded).
 
-    For K = V = D and H = HV this is ``20 T H D + 4 T H`` bytes in bf16.
+    For K = V = D and H = HV this is ``20 T H D + 4 T H`` bytes in bf16; g and dg count in ``spec.g_dtype``.
     """
     B, T, H, HV, K, V, dt = spec.B, spec.T, spec.H, spec.HV, spec.K, spec.V, spec.dtype
-    per = 2 * nbytes((B, T, H, K), dt) + nbytes((B, T, HV, V), dt) + nbytes((B, T, HV, K), dt) + nbytes((B, T, HV), dt)
+    per = 2 * nbytes((B, T, H, K), dt) + nbytes((B, T, HV, V), dt) + nbytes((B, T, HV, K), spec.g_dtype) \
+        + nbytes((B, T, HV), dt)
     return 2 * per + 2 * nbytes((B, T, HV, V), dt)  # inputs and their grads; dO and O
 
 
@@ -316,13 +338,24 @@ class MemoryModel:
         s = self.spec
         return {
             "backend": self.backend, "mbs": s.mbs, "seq": s.seq, "heads": s.heads, "qk_heads": s.H,
-            "head_dim": s.K, "value_dim": s.V, "dtype": s.dtype, "gate": s.gate,
+            "head_dim": s.K, "value_dim": s.V, "dtype": s.dtype, "gate": s.gate, "gate_dtype": s.g_dtype,
+            "pipeline": _pipeline_of(self),
             "peak_alloc_gib": round(self.peak_gib, 6), "peak_alloc_bytes": self.peak_bytes,
             "floor_gib": round(self.floor_gib, 6), "overhead_gib": round(self.overhead_gib, 6),
             "saved_gib": round(self.saved_bytes / GIB, 6), "peak_stage": self.peak_stage,
             "groups": {g: round(v, 6) for g, v in self.groups_gib().items()},
             "notes": list(self.notes),
         }
+
+
+def _pipeline_of(m: "MemoryModel") -> str | None:
+    """The kdakit pipeline a model priced (from its notes), None for another backend."""
+    if m.backend != "kdakit":
+        return None
+    for note in m.notes:
+        if note.startswith("kdakit plan: "):
+            return note[len("kdakit plan: "):].split(",")[0]
+    return m.spec.pipeline
 
 
 def _harness(tl: Timeline, spec: CallSpec) -> None:
@@ -332,7 +365,7 @@ def _harness(tl: Timeline, spec: CallSpec) -> None:
     tl.alloc("q", (B, T, H, K), dt, GROUP_INPUTS)
     tl.alloc("k", (B, T, H, K), dt, GROUP_INPUTS)
     tl.alloc("v", (B, T, HV, V), dt, GROUP_INPUTS)
-    tl.alloc("g", (B, T, HV, K), dt, GROUP_INPUTS)
+    tl.alloc("g", (B, T, HV, K), spec.g_dtype, GROUP_INPUTS)
     tl.alloc("beta", (B, T, HV), dt, GROUP_INPUTS)
     if spec.gate_params and spec.use_gate_in_kernel:
         tl.alloc("A_log", (HV,), "fp32", GROUP_INPUTS)
@@ -495,10 +528,12 @@ def fla_model(spec: CallSpec) -> MemoryModel:
         db_name = "db_sum"
     tl.at("backward return casts")
     casts = []
-    for name, shape, src in (("dq", (B, T, H, K), dq_name), ("dk", (B, T, H, K), dk_name),
-                             ("dg", (B, T, HV, K), dg_name), ("dbeta", (B, T, HV), db_name)):
+    for name, shape, src, want in (("dq", (B, T, H, K), dq_name, dt), ("dk", (B, T, H, K), dk_name, dt),
+                                   ("dg", (B, T, HV, K), dg_name, spec.g_dtype), ("dbeta", (B, T, HV), db_name, dt)):
+        if src == "dg_cumsum" and want == "fp32":
+            continue  # .to(g) of an fp32 gradient for an fp32 g returns it as it is
         if src != name:  # an fp32 buffer still to be cast to the input dtype by .to(...)
-            tl.alloc(name, shape, dt, GROUP_GRADS)
+            tl.alloc(name, shape, want, GROUP_GRADS)
             casts.append(src)
     tl.free(*casts)
     notes = (
@@ -520,15 +555,21 @@ def _plan_for(spec: CallSpec):
     import torch
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-    # The plan's byte counts do not depend on the token transforms (l2norm, gate kind,
-    # beta sigmoid): those run inside the kernels on registers.
+    # The gate kind picks the pipeline (plan.DEFAULT_PIPELINE) unless the spec names one; within a pipeline the
+    # byte counts do not depend on the token transforms (l2norm, gate, beta sigmoid): they run on registers.
     return plan_kda(
         B=spec.B, T=spec.T, H=spec.H, HV=spec.HV, K=spec.K, V=spec.V, dtype=dtypes[spec.dtype],
         seqlens=spec.seqlens if spec.varlen else None,
         checkpoint_every_n_tokens=spec.checkpoint_every_n_tokens,
         initial_state=spec.initial_state, output_final_state=spec.output_final_state,
         gate_params=spec.gate_params and spec.use_gate_in_kernel, backend="triton",
+        gate=plan_gate(spec), pipeline=spec.pipeline, g_dtype=dtypes[spec.g_dtype],
     )
+
+
+def plan_gate(spec: CallSpec) -> str:
+    """The plan's gate kind of a modelled call (``kdakit.ops.kda.plan.gate_kind``): safe, softplus or raw."""
+    return {"safe": "safe", "softplus": "softplus", "precomputed": "raw"}[spec.gate]
 
 
 def kdakit_plan(spec: CallSpec):
@@ -569,8 +610,13 @@ def kdakit_model(spec: CallSpec, plan=None) -> MemoryModel:
             raise ModelUnsupported(f"plan event {kind!r} for {name!r}: expected alloc, free or mark")
     saved = sum(allocated_bytes(tuple(a.shape), a.dtype) for a in by_name.values()
                 if a.phase == "saved" and a.name not in _HARNESS_NAMES)
-    notes = (f"kdakit plan: chunk {plan.chunk_size}, checkpoint every {plan.checkpoint_every_n_tokens} tokens, "
-             f"recompute every {plan.recompute_every_n_tokens} tokens",)
+    pipeline = getattr(plan, "pipeline", "windowed16")
+    if pipeline == "windowed16":
+        notes = (f"kdakit plan: windowed16, chunk {plan.chunk_size}, checkpoint every "
+                 f"{plan.checkpoint_every_n_tokens} tokens, recompute every {plan.recompute_every_n_tokens} tokens",)
+    else:
+        notes = (f"kdakit plan: {pipeline}, chunk {plan.chunk_size}, windows of {plan.window_tokens} tokens "
+                 f"({plan.num_windows} windows, {plan.max_slots} slot rows)",)
     return MemoryModel("kdakit", spec, tl.peak, tl.peak_stage, tl.peak_blocks, floor_bytes(spec), saved, notes)
 
 

@@ -372,3 +372,27 @@ def test_model_reserved_replays_the_protocol(capsys):
                         "--gate", "softplus")
     assert rc != 0
     _one_line_error(err, "--reserved")
+
+
+def test_model_prices_the_gates_pipeline_and_a_named_one(capsys):
+    """``mem model``: a softplus cell is priced on chunk64 (chunk_kda's default for the gate), the safe cell on
+    windowed16; --pipeline names another, --checkpoint-every is its window, --gate-dtype g's dtype."""
+    def one(*argv):
+        rc, out, err = _run(capsys, "model", "--backends", "kdakit", "--json", *argv)
+        assert rc == 0, err
+        return json.loads(out.strip().splitlines()[0])
+
+    safe, soft = one("--shapes", "1x8192:16"), one("--shapes", "1x8192:16:softplus")
+    assert (safe["pipeline"], soft["pipeline"]) == ("windowed16", "chunk64")
+    fast = one("--shapes", "1x8192:16:softplus", "--pipeline", "chunk64_fast")
+    assert fast["pipeline"] == "chunk64_fast" and fast["peak_alloc_bytes"] > soft["peak_alloc_bytes"]
+    w512 = one("--shapes", "1x8192:16:softplus", "--checkpoint-every", "512")
+    assert w512["peak_alloc_bytes"] != soft["peak_alloc_bytes"]
+    raw = one("--shapes", "1x8192:16", "--gate", "precomputed", "--no-gate-params")
+    raw16 = one("--shapes", "1x8192:16", "--gate", "precomputed", "--no-gate-params", "--gate-dtype", "bf16")
+    assert raw["gate_dtype"] == "fp32" and raw["floor_gib"] > raw16["floor_gib"] and raw["pipeline"] == "chunk64"
+    rc, out, err = _run(capsys, "model", "--backends", "kdakit", "--shapes", "1x8192:16:softplus")
+    assert rc == 0 and "kdakit 1x8192:16:softplus: peak during" in out and "(chunk64, chunk 64" in out
+    rc, _, err = _run(capsys, "model", "--backends", "kdakit", "--shapes", "1x8192:16", "--gate-dtype", "int8")
+    assert rc == 2
+    _one_line_error(err, "--gate-dtype")

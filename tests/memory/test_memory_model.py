@@ -314,3 +314,50 @@ def test_default_cadence_is_the_densest_within_the_peak_budget(B, T, H, dtype, c
                     checkpoint_every_n_tokens=2048).checkpoint_every_n_tokens == 2048
     assert plan_kda(T=B * T, H=H, K=128, dtype=dtype, cu_seqlens=cu,
                     backend="torch").checkpoint_every_n_tokens == default
+
+
+# ---------------------------------------------------------------------------------------
+# The pipeline per gate (kdakit.ops.kda.plan.DEFAULT_PIPELINE) and a named pipeline
+
+
+@pytest.mark.parametrize("gate,pipeline", [("safe", "windowed16"), ("softplus", "chunk64"), ("precomputed", "chunk64")])
+def test_kdakit_model_prices_the_gates_default_pipeline(gate, pipeline):
+    from kdakit.ops.kda.plan import plan_kda
+
+    extra = {"gate_params": False} if gate == "precomputed" else {}
+    spec = protocol_spec(1, 8192, 16, gate=gate, **extra)
+    plan = kdakit_plan(spec)
+    assert plan.pipeline == pipeline
+    m = kdakit_model(spec, plan)
+    assert m.peak_bytes == plan.predicted_peak_bytes and m.notes[0].startswith(f"kdakit plan: {pipeline},")
+    named = protocol_spec(1, 8192, 16, gate=gate, pipeline=pipeline, **extra)
+    assert kdakit_model(named).peak_bytes == m.peak_bytes
+    if pipeline == "chunk64":
+        # the default window is chunk_kda's, and the checkpoint cadence names the window
+        assert plan.window_tokens == 1024
+        w512 = kdakit_plan(protocol_spec(1, 8192, 16, gate=gate, checkpoint_every_n_tokens=512, **extra))
+        assert w512.window_tokens == 512 and w512.predicted_peak_bytes != plan.predicted_peak_bytes
+        fast = kdakit_model(protocol_spec(1, 8192, 16, gate=gate, pipeline="chunk64_fast", **extra))
+        assert fast.peak_bytes > m.peak_bytes and fast.to_json()["pipeline"] == "chunk64_fast"
+        assert plan_kda(seqlens=[8192], H=16, K=128, gate=plan.gate, g_dtype=plan.g_dtype) == plan
+
+
+def test_precomputed_gate_is_fp32_and_the_floor_counts_it_so():
+    T, H, D = 8192, 16, 128
+    bf16_g = protocol_spec(1, T, H, gate="precomputed", gate_params=False, gate_dtype="bf16")
+    fp32_g = protocol_spec(1, T, H, gate="precomputed", gate_params=False)
+    assert fp32_g.g_dtype == "fp32" and bf16_g.g_dtype == "bf16"
+    assert floor_bytes(fp32_g) - floor_bytes(bf16_g) == 2 * T * H * D * 2  # g and dg, 2 more bytes each
+    for backend in ("kdakit", "fla"):
+        a, b = model(backend, fp32_g), model(backend, bf16_g)
+        assert a.floor_bytes == floor_bytes(fp32_g) and a.peak_bytes > b.peak_bytes, backend
+    plan = kdakit_plan(fp32_g)
+    assert {x.name: x.dtype for x in plan.allocations if x.name in ("g", "dg")} == {"g": torch.float32,
+                                                                                  "dg": torch.float32}
+
+
+def test_a_named_pipeline_is_validated():
+    with pytest.raises(ValueError, match="pipeline"):
+        protocol_spec(1, 8192, 16, pipeline="chunk32")
+    with pytest.raises(ValueError, match="window_tokens"):
+        kdakit_plan(protocol_spec(1, 8192, 16, gate="softplus", checkpoint_every_n_tokens=48))
