@@ -32,6 +32,7 @@
 #
 #   bash benchmarks/run_gpu.sh [STAGE ...]   stages run in the order given:
 #       env warm chunk fla sweep profile tests recurrent flalayer devdecode ceiling layer traintiny tune tunecompile flawarm wait
+#       vsfla layervsfla
 #       (default: env warm chunk fla sweep profile tests)
 #   env       env.json (GPU, torch, triton, CUDA, FLA, python, git sha, date)
 #   warm      the correctness gate (gate.json) in the foreground; in the background FLA's
@@ -60,6 +61,10 @@
 #             compiles its variants (parallel processes)
 #   flawarm   FLA's autotuning only, in the background, one process per head count of FLA_SHAPES;
 #             `wait` joins it
+#   vsfla     kdakit beside FLA 0.6.0, three gates x four protocol shapes (bench_vs_fla.py chunk;
+#             VSFLA_ARGS, e.g. "--gates safe,softplus"): $OUT/chunk_vs_fla.json, its budget the stage's limit
+#   layervsfla kdakit's KimiDeltaAttention beside FLA's at 8K and 32K (bench_vs_fla.py layer; LAYERVSFLA_ARGS;
+#             fla.layers imports with the transformers stub, TRANSFORMERS_STUB, default .stub/transformers_stub)
 # A failed correctness gate drops kdakit's timings from chunk and sweep (IGNORE_GATE=1 times it anyway).
 # Every stage's file is written as it goes, so a stage cut by its limit keeps what it measured.
 # Cells are MBSxSEQ:H (docs/spec.md §3), MBSxSEQ:H/HV (grouped value heads) and MBSxSEQ:H:softplus (the
@@ -346,6 +351,21 @@ stage_flawarm() {
     return 0
 }
 
+stage_vsfla() {
+    # shellcheck disable=SC2086
+    timeout -k 10 "$1" python3 benchmarks/bench_vs_fla.py chunk --out "$OUT" --budget-s $(( $1 - 10 )) \
+        ${VSFLA_ARGS:-} 2>&1 | tee -a "$OUT/run.log"
+    return "${PIPESTATUS[0]}"
+}
+
+stage_layervsfla() {
+    # shellcheck disable=SC2086
+    timeout -k 10 "$1" python3 benchmarks/bench_vs_fla.py layer --out "$OUT" --budget-s $(( $1 - 10 )) \
+        --transformers-stub "${TRANSFORMERS_STUB:-.stub/transformers_stub}" ${LAYERVSFLA_ARGS:-} 2>&1 \
+        | tee -a "$OUT/run.log"
+    return "${PIPESTATUS[0]}"
+}
+
 stage_wait() {
     wait
     tail -q -n 2 "$OUT"/flawarm_*.log 2>/dev/null
@@ -353,7 +373,8 @@ stage_wait() {
 }
 
 declare -A DEFAULT_LIMIT=([env]=10 [warm]=160 [chunk]=100 [fla]=150 [sweep]=80 [profile]=20 [tests]=rest
-                          [recurrent]=150 [flalayer]=300 [devdecode]=200 [ceiling]=300 [layer]=300 [traintiny]=200 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest)
+                          [recurrent]=150 [flalayer]=300 [devdecode]=200 [ceiling]=300 [layer]=300 [traintiny]=200 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest
+                          [vsfla]=rest [layervsfla]=rest)
 for s in "${stages[@]}"; do
     if [ -z "${DEFAULT_LIMIT[$s]+x}" ]; then
         echo "run_gpu.sh: unknown stage '$s' (skipped)" | tee -a "$OUT/stages.log"
