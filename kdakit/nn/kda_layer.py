@@ -288,7 +288,8 @@ class KimiDeltaAttention(nn.Module):
                 None). With a cache and ``use_cache=False`` the cache is read, not changed.
             output_attentions: KDA has no attention weights: anything but None / False raises.
             cu_seqlens: int ``[N + 1]`` offsets of the packed sequences (zero-length ones legal).
-                Neither the convolution nor the recurrent state crosses a boundary.
+                Neither the convolution nor the recurrent state crosses a boundary. Without
+                ``cu_seqlens_cpu`` the layer reads them to the host once and hands the op that copy.
             cu_seqlens_cpu: the same offsets in a CPU int tensor (as ``chunk_kda``): the layer and
                 the op validate this host copy and never read ``cu_seqlens`` back from the device
                 (the caller promises the two are equal). Needed to capture a packed call in a
@@ -370,7 +371,7 @@ class KimiDeltaAttention(nn.Module):
     def _forward_packed(self, hidden_states, cu_seqlens, cu_seqlens_cpu, initial_state, output_final_state,
                         state_v_first, state_indices, conv_state, check_indices):
         B, T = hidden_states.shape[:2]
-        N = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, hidden_states.device)
+        N, cu_seqlens_cpu = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, hidden_states.device)
         for name, flag in (("output_final_state", output_final_state), ("state_v_first", state_v_first)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -411,7 +412,7 @@ class KimiDeltaAttention(nn.Module):
         """FLA's cache path: continue from ``last`` (layer ``layer_idx``'s stored states, or None)
         and, with ``use_cache``, write the new ones with ``cache.update``."""
         B, T = hidden_states.shape[:2]
-        N = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, hidden_states.device)
+        N, cu_seqlens_cpu = _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, hidden_states.device)
         recurrent, windows = self._cached_states(last, N, hidden_states)
         contexts = None
         if windows is not None:
@@ -745,11 +746,13 @@ def _seq_lengths(B, T, cu_seqlens, device):
     return cu[1:] - cu[:-1]
 
 
-def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, device) -> int:
-    """N, from the offsets' values: read from ``cu_seqlens_cpu`` when given (``cu_seqlens`` is then
-    used on the device only), otherwise one host read of ``cu_seqlens``."""
+def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, device) -> tuple[int, torch.Tensor | None]:
+    """``(N, host offsets)`` from the offsets' values: read from ``cu_seqlens_cpu`` when given
+    (``cu_seqlens`` is then used on the device only), otherwise one host read of ``cu_seqlens``,
+    whose values come back as a CPU tensor for the KDA op (which would otherwise read them again:
+    a second device->host synchronization). ``(B, None)`` without offsets."""
     if cu_seqlens is None:
-        return B
+        return B, None
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in INDEX_DTYPES:
@@ -780,7 +783,9 @@ def _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T, device) -> int:
         cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"{name} must be non-decreasing from 0 to T={T}, got {cu}")
-    return len(cu) - 1
+    if cu_seqlens_cpu is None:
+        cu_seqlens_cpu = torch.tensor(cu, dtype=cu_seqlens.dtype)
+    return len(cu) - 1, cu_seqlens_cpu
 
 
 def _check_positive_int(name, value) -> None:

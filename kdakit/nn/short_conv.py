@@ -89,6 +89,11 @@ class _ShortConvFn(torch.autograd.Function):
             y = _padded_conv(leaves[0], leaves[1], leaves[2], ctx.activation, cu_seqlens, context)
             grads = iter(torch.autograd.grad(y, wanted, dy))
         out = [next(grads) if n else None for n in need]
+        if out[0] is not None:
+            # the padded buffer is channel-major, so autograd's dx is a [B, T, C] view with token stride 1
+            # and channel stride W-1+T; the projection's backward GEMMs need the token-major layout
+            # (cuBLAS takes slow unaligned kernels for a leading dimension of odd W-1+T)
+            out[0] = out[0].contiguous()
         return out[0], out[1], out[2], None, None, None
 
 

@@ -18,7 +18,8 @@ The context is not differentiated. The forward reads W source tiles per [BT, BC]
 the 2W-1 source tiles src(t-W+1) .. src(t+W-1) and the W gradient tiles dy(t) .. dy(t+W-1) of each tile once,
 recomputes pre at the W shifts from them, and accumulates the dw / dbias terms elementwise in fp32 registers
 over its run of tiles. dw and dbias are reduced deterministically: each backward program writes one row of a
-``[S, W, C]`` (and ``[S, C]``) partial buffer, whose S rows are summed by ``torch.sum`` afterwards.
+``[S, C, W]`` (and ``[S, C]``) partial buffer, whose S rows are summed by ``torch.sum`` afterwards (the
+``[C, W]`` sum is the weight's own layout: no transposed copy).
 
 Layouts: x, dy ``[B, T, C]`` read through their three strides (none required to be unit; a unit channel stride,
 as the layer's Linear outputs have, gives vector loads); with ``cu_seqlens`` (int32 / int64 ``[N + 1]`` on x's
@@ -150,7 +151,7 @@ def short_conv_bwd_kernel(
 ):
     """Channels pid0 * BC.., token tiles pid1 * tiles_per_prog .. (+ tiles_per_prog) of the flattened
     [B, tiles_per_row] tile list: dx of those tiles (contiguous [B, T, C]) and this program's row of the
-    fp32 partial sums dw_part [S, W, C] (tap index k = W-1-j) and db_part [S, C].
+    fp32 partial sums dw_part [S, C, W] (tap index k = W-1-j) and db_part [S, C].
 
     Per tile, the 2W-1 source tiles src(t + d), d = -(W-1) .. W-1, are read once (a tuple ``xs``, entry d + W-1)
     and serve pre at every shift and the dw terms; dw / dbias terms are summed elementwise over the tiles
@@ -209,7 +210,7 @@ def short_conv_bwd_kernel(
             tl.store(dx_ptr, dx_acc.to(dx.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
     if NEED_DW:
         for j in tl.static_range(W):
-            p = dw_part + pid_s.to(tl.int64) * W * C + (W - 1 - j) * C + c
+            p = dw_part + pid_s.to(tl.int64) * C * W + c.to(tl.int64) * W + (W - 1 - j)
             tl.store(p, tl.sum(dws[j], axis=0), mask=m_c)
     if NEED_DB:
         tl.store(db_part + pid_s.to(tl.int64) * C + c, tl.sum(db_acc, axis=0), mask=m_c)
@@ -298,7 +299,7 @@ def short_conv_bwd(dy, x, weight, bias, ctx_rows, cu_seqlens, activation, need=(
     S, per = backward_splits(B, T, C)
     tiles_per_row = triton.cdiv(T, BWD_BLOCK_T)
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device) if need_dx else None
-    dw_part = torch.empty(S, W, C, dtype=torch.float32, device=x.device) if need_dw else None
+    dw_part = torch.empty(S, C, W, dtype=torch.float32, device=x.device) if need_dw else None
     db_part = torch.empty(S, C, dtype=torch.float32, device=x.device) if need_db else None
     short_conv_bwd_kernel[(triton.cdiv(C, BWD_BLOCK_C), S)](
         x, weight, bias if bias is not None else weight, ctx_rows if has_ctx else x,
@@ -310,7 +311,7 @@ def short_conv_bwd(dy, x, weight, bias, ctx_rows, cu_seqlens, activation, need=(
         HAS_CONTEXT=has_ctx, SILU=activation is not None, IS_VARLEN=cu_seqlens is not None, SEARCH_STEPS=steps,
         NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db, num_warps=BWD_NUM_WARPS,
     )
-    dw = dw_part.sum(0).t().reshape(weight.shape).to(weight.dtype) if need_dw else None   # [W, C] -> weight's
+    dw = dw_part.sum(0).view(weight.shape).to(weight.dtype) if need_dw else None   # [C, W] -> weight's
     db = db_part.sum(0).to(bias.dtype) if need_db else None
     return dx, dw, db
 

@@ -600,3 +600,58 @@ def test_bad_cu_seqlens_cpu_raises():
     # the host copy gives the offsets' bits: the same output as without it
     with torch.no_grad():
         assert torch.equal(layer(x, cu_seqlens=cu)[0], layer(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())[0])
+
+
+class _CountedReads(torch.Tensor):
+    """Counts host reads (``_SCALAR_READS``, ``.to("cpu")``) of itself and of anything computed from it."""
+    reads = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        attr = (resolve_name(func) or repr(func)).removeprefix("torch.Tensor.").removeprefix("torch.")
+        if attr in _SCALAR_READS or (attr == "to" and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values()))):
+            cls.reads.append(attr)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["packed", "cache"])
+def test_packed_call_reads_offsets_once(monkeypatch, cached):
+    """A packed forward without ``cu_seqlens_cpu`` reads ``cu_seqlens`` to the host once (the layer's check)
+    and hands the KDA op that host copy: the op does not read the offsets again (a second device->host
+    synchronization per layer call); the output is the bits of a call given the host copy."""
+    layer = make_layer(151, layer_idx=0, **CONFIGS["gva_neg_eig_bias_conv3"])
+    x = rand(1, 11, HIDDEN, seed=152)
+    cu = torch.tensor([0, 4, 4, 11], dtype=torch.int32)
+    handed = []
+    real = kda_layer.chunk_kda
+    monkeypatch.setattr(kda_layer, "chunk_kda", lambda *a, **kw: handed.append(kw["cu_seqlens_cpu"]) or real(*a, **kw))
+    extra = dict(use_cache=True) if cached else {}
+    _CountedReads.reads = []
+    with torch.no_grad():
+        out = layer(x, cu_seqlens=cu.clone().as_subclass(_CountedReads), **extra)[0]
+        ref = layer(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), **extra)[0]
+    assert _CountedReads.reads == ["tolist"], _CountedReads.reads
+    assert handed[0].device.type == "cpu" and handed[0].dtype == cu.dtype and torch.equal(handed[0], cu)
+    assert torch.equal(out.as_subclass(torch.Tensor), ref)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
+def test_projection_backward_gets_token_major_gradients(packed):
+    """Every Linear of the layer receives a dense token-major output gradient in backward (the short
+    convolution's dx included): a channel-major view, as the convolution's padded buffer gives, makes cuBLAS
+    run its unaligned kernels for the projections' dgrad and wgrad GEMMs on CUDA."""
+    layer = make_layer(161, dtype=torch.float32, **CONFIGS["gva_neg_eig_bias_conv3"])
+    seen = {}
+    for name, mod in layer.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_full_backward_hook(lambda m, gi, go, name=name: seen.__setitem__(name, go[0]))
+    B = 1 if packed else 2
+    x = rand(B, 13, HIDDEN, seed=162).float().requires_grad_()
+    cu = torch.tensor([0, 5, 13], dtype=torch.int32) if packed else None
+    out = layer(x, cu_seqlens=cu)[0]
+    out.backward(rand(*out.shape, seed=163).float())
+    linears = [n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(seen) == sorted(linears)
+    for name, g in seen.items():
+        assert g.is_contiguous(), f"{name}: output gradient strides {g.stride()} for shape {tuple(g.shape)}"

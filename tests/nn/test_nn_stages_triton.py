@@ -87,6 +87,8 @@ def test_short_conv_triton_matches_float64_twin(name, dtype):
     assert_close(f"{name} y", y_ref, y.double(), RATIO[dtype])
     for pname, a, got in zip(("x", "weight", "bias"), g_ref, g):
         assert got.dtype == dtype and got.shape == a.shape, pname
+        # dense, in the (contiguous) parameter's layout: no copy for autograd to make
+        assert got.is_contiguous(), f"d{pname} strides {got.stride()}"
         assert_close(f"{name} d{pname}", a, got.double(), RATIO[dtype])
 
 
