@@ -56,17 +56,18 @@ def test_compare_joins_by_shape_and_keeps_provenance(tmp_path):
 def test_committed_h200_comparison_is_what_compare_prints(tmp_path):
     res_dir = os.path.join(ROOT, "benchmarks", "results")
     out = tmp_path / "c.json"
-    subprocess.run([sys.executable, COMPARE, "--kdakit", os.path.join(res_dir, "chunk_h200.json"),
-                    "--fla", os.path.join(res_dir, "chunk_fla_h200.json"), "--out", str(out)],
+    # the d3f00ec triple (chunk_vs_fla_h200.json is bench_vs_fla.py's format, tests/test_bench_vs_fla.py)
+    subprocess.run([sys.executable, COMPARE, "--kdakit", os.path.join(res_dir, "chunk_h200_d3f00ec.json"),
+                    "--fla", os.path.join(res_dir, "chunk_fla_h200_d3f00ec.json"), "--out", str(out)],
                    check=True, capture_output=True)
-    committed = json.load(open(os.path.join(res_dir, "chunk_vs_fla_h200.json")))["rows"]
+    committed = json.load(open(os.path.join(res_dir, "chunk_vs_fla_h200_d3f00ec.json")))["rows"]
     rows = json.load(open(out))["rows"]
     assert [r["shape"] for r in rows] == [r["shape"] for r in committed]
     for new, old in zip(rows, committed):
         assert {k: new[k] for k in old} == old
     # the join carries each FLA record's reserved peak into the row of its shape
     fla = {f"{r['mbs']}x{r['seq']}:{r['heads']}": r for r in
-           json.load(open(os.path.join(res_dir, "chunk_fla_h200.json")))["records"] if r["status"] == "ok"}
+           json.load(open(os.path.join(res_dir, "chunk_fla_h200_d3f00ec.json")))["records"] if r["status"] == "ok"}
     joined = [r for r in rows if r["shape"] in fla]
     assert joined
     for r in joined:
@@ -699,8 +700,10 @@ def test_bench_recurrent_speculative_gates_catch_the_wrong_initial_row(monkeypat
 
 
 def test_decode_ceiling_rows_do_what_they_claim(monkeypatch):
-    """dev_decode_ceiling.py's rows under the interpreter at N = 2: every negation variant negates the pool
-    exactly (in place, or into dst), and the step variants give the shipped step kernel's output and pool."""
+    """dev_decode_ceiling.py's rows under the interpreter at N = 3: every negation variant negates the pool
+    exactly (in place, or into dst), and the step variants give the shipped step kernel's output and pool.
+    The cell at HV = 2, K = V = 32 (the script's 32 heads of 128 x 128 cost the interpreter 100 s and
+    exercise no other path: every row still spans several value tiles and both heads)."""
     import bench_recurrent
     import dev_decode_ceiling as c
 
@@ -708,8 +711,11 @@ def test_decode_ceiling_rows_do_what_they_claim(monkeypatch):
 
     monkeypatch.setattr(bench_recurrent, "DEV", "cpu")
     monkeypatch.setattr(c, "DEV", "cpu")
-    t, opts, pool0, idx = c.cell_inputs(2, torch.float32)
-    assert not torch.equal(idx, torch.arange(2, dtype=idx.dtype)), "the cell's rows must be out of order"
+    monkeypatch.setattr(c, "HV", 2)
+    monkeypatch.setattr(c, "K", 32)
+    monkeypatch.setattr(c, "V", 32)
+    t, opts, pool0, idx = c.cell_inputs(3, torch.float32)
+    assert not torch.equal(idx, torch.arange(3, dtype=idx.dtype)), "the cell's rows must be out of order"
     ref_pool, ref_o = pool0.clone(), torch.empty_like(t["v"])
     c.make_launch("step", dict(block_v=8, num_warps=1), t, opts, ref_pool, idx, ref_o)()
     assert not torch.equal(ref_pool, pool0)
