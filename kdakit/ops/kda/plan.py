@@ -46,6 +46,9 @@ from typing import Sequence
 
 import torch
 
+from kdakit.ops.kda.plan_chunk64 import (CHUNK64, chunk64_backward_slots, chunk64_forward_slots, chunk64_step,
+                                        chunk64_windows)
+
 CHUNK_SIZE = 16
 DEFAULT_CHECKPOINT_TOKENS = 2048
 DEFAULT_RECOMPUTE_TOKENS = 256
@@ -65,7 +68,6 @@ PIPELINES = ("windowed16", "chunk64", "chunk64_fast")
 GATE_KINDS = ("safe", "softplus", "raw")
 DEFAULT_PIPELINE = {"safe": "windowed16", "softplus": "chunk64", "raw": "chunk64"}
 CHUNK64_WINDOW = {"chunk64": 1024, "chunk64_fast": 2048}
-CHUNK64 = 64
 
 GROUPS = (
     "inputs/dO/O",
@@ -277,17 +279,6 @@ def chunk64_window(pipeline: str, window_tokens: int | None = None) -> int:
             or window_tokens % CHUNK64:
         raise ValueError(f"window_tokens must be a positive multiple of {CHUNK64}, got {window_tokens!r}")
     return window_tokens
-
-
-def chunk64_windows(lengths: Sequence[int], window_tokens: int) -> tuple[int, int, int]:
-    """``(n_chunks, n_windows, max_slots)`` of the 64-token pipeline's chunk plan (``chunk.plan.make_chunk_plan``):
-    window w holds chunks ``[w * wc, (w + 1) * wc)`` of every sequence; max_slots is the largest window's row count."""
-    counts = [-(-int(n) // CHUNK64) for n in lengths]
-    most = max(counts, default=0)
-    wc = window_tokens // CHUNK64
-    n_windows = max(-(-most // wc), 1)
-    slots = max((sum(max(min((w + 1) * wc, c) - w * wc, 0) for c in counts) for w in range(n_windows)), default=0)
-    return sum(counts), n_windows, slots
 
 
 def _check_cadence(L) -> None:
@@ -636,131 +627,21 @@ def _plan_windowed_backward(add, free, events, *, B, T, H, HV, K, V, N, L, L2, d
         free("d_initial_state_fp32")
 
 
-# ---- the 64-token pipelines (kdakit/ops/kda/chunk/: forward.py, backward.py, autograd.py allocate exactly this) ----
-
-def chunk64_forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype) -> list:
-    """``(name, shape, dtype)`` of ``chunk.forward.forward_slots`` for n rows, in its order."""
-    f32, C = torch.float32, CHUNK64
-    return [("gc", (n, HV, C, K), f32), ("bt", (n, HV, C), f32), ("rq", (n, H, C), f32), ("rk", (n, H, C), f32),
-            ("aqk", (n, HV, C, C), dtype), ("akk_d", (n, HV, C, 16), f32), ("tinv", (n, HV, C, C), dtype),
-            ("w", (n, HV, C, K), dtype), ("qg", (n, HV, C, K), dtype), ("kd", (n, HV, C, K), dtype),
-            ("u", (n, HV, C, V), dtype), ("h", (n, HV, K, V), dtype)]
-
-
-def chunk64_backward_slots(n: int, HV: int, K: int, V: int, dtype: torch.dtype) -> list:
-    """``(name, shape, dtype)`` of ``chunk.backward.backward_slots`` for n rows, in its order."""
-    f32, C = torch.float32, CHUNK64
-    return [("dh", (n, HV, K, V), dtype), ("daqk", (n, HV, C, C), f32), ("dvs", (n, HV, C, V), f32),
-            ("dakk", (n, HV, C, C), f32), ("dqh", (n, HV, C, K), f32), ("dkh", (n, HV, C, K), f32),
-            ("dgs", (n, HV, C, K), f32), ("dgc", (n, HV, K), f32), ("dbs", (n, HV, C), f32),
-            ("dalog", (n, HV), f32), ("dbias", (n, HV, K), f32)]
-
-
 @functools.lru_cache(maxsize=256)
 def _plan_chunk64(pipeline, gate, B, T, H, HV, K, V, dtype, g_dtype, lengths, varlen, window, initial_state,
                   initial_state_dtype, output_final_state, gate_params) -> KDAPlan:
-    """The 64-token pipelines' step, allocation by allocation in program order (``chunk64_kda``):
-
-    * resident: the memoized chunk plan's device tensors (``make_chunk_plan``: the table int32 ``[chunks, 4]`` and
-      ``seq_rows`` int32 ``[windows, N, 2]``), built by a call's first step and kept by the plan cache across
-      calls, so they are live through every step (allocated first here, never freed);
-    * forward (``chunk_fwd``): o; the fp32 state carry (zeros, or the initial state's fp32 copy: a bf16 state
-      goes through an fp32 cast first); ``chunk64``: the fp32 checkpoints ``[windows, N, HV, K, V]`` (saved) and
-      the slots of the largest window (freed at return); ``chunk64_fast``: the slots of every chunk (saved: the
-      backward reads them, ``ctx.kept``). The carry is the final state when one is returned, else freed;
-    * backward (``chunk_bwd``): dq, dk, dg, dv, dbeta; ``chunk64``: the forward slots again (one window); the
-      backward slots (one window); dA_log ``[HV]`` and ddt_bias ``[HV, K]`` (fp32, zeros); the fp32 dS carry
-      (which is dh0) and, for ``chunk64``, the state carry; per window with the gate's parameters the
-      ``.sum(0)`` temporaries of the per-chunk partials; at return the slots and carries go, then the kept
-      slots (``ctx.kept = None``), then dh0's cast to a bf16 initial state's dtype; the saved tensors are
-      released after the backward returns.
-
-    dq and dk come out of the finishing kernel already summed over a GVA group (no per-value-head partials
-    beyond the window's dqh / dkh slots)."""
-    f32, i32 = torch.float32, torch.int32
+    """``plan_kda`` of a 64-token pipeline (``plan_chunk64.chunk64_step``: the allocations in program order)."""
     N = len(lengths)
     keep = pipeline == "chunk64_fast"
-    n_rows, n_windows, max_slots = chunk64_windows(lengths, window)
-    nonempty = sum(1 for w in range(n_windows) if _window_rows(lengths, window, w))
+    n_rows, n_windows, max_slots, nonempty = chunk64_windows(lengths, window)
     allocs, events, add, free = _recorder()
     _caller_tensors(add, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, dtype=dtype, g_dtype=g_dtype, varlen=varlen,
                     gate_params=gate_params, initial_state=initial_state, initial_state_dtype=initial_state_dtype)
-    state = (N, HV, K, V)
-    add("chunk_table", (n_rows, 4), i32, "workspace", "forward")
-    add("chunk_seq_rows", (n_windows, N, 2), i32, "workspace", "forward")
-
-    # forward
-    add("o", (B, T, HV, V), dtype, "inputs/dO/O", "forward")
-    carry = "final_state" if output_final_state else "fwd_state_carry"
-    carry_group = "inputs/dO/O" if output_final_state else "workspace"
-    if initial_state and initial_state_dtype != f32:
-        add("fwd_initial_state_fp32", state, f32, "workspace", "forward")
-        add(carry, state, f32, carry_group, "forward")
-        free("fwd_initial_state_fp32")
-    else:
-        add(carry, state, f32, carry_group, "forward")
-    if not keep:
-        add("checkpoints", (n_windows,) + state, f32, "state checkpoints", "saved")
-    fwd_slots = ["fwd_" + name for name, _, _ in chunk64_forward_slots(0, H, HV, K, V, dtype)]
-    for name, shape, dt in chunk64_forward_slots(n_rows if keep else max_slots, H, HV, K, V, dtype):
-        if keep:
-            add("fwd_" + name, shape, dt, "saved forward activations", "saved")
-        else:
-            add("fwd_" + name, shape, dt, "recompute intermediates", "forward")
-    events.append(("mark", "forward"))
-    if not keep:
-        free(*fwd_slots)
-    if not output_final_state:
-        free(carry)
-    else:
-        # autograd hands a zero cotangent for an unused final state
-        add("d_final_state", state, f32, "inputs/dO/O", "backward")
-
-    # backward
-    _token_grads(add, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, g_dtype=g_dtype,
-                 order=("dq", "dk", "dg", "dv", "dbeta"))
-    scratch = []
-    if not keep:
-        for name, shape, dt in chunk64_forward_slots(max_slots, H, HV, K, V, dtype):
-            add("bwd_" + name, shape, dt, "recompute intermediates", "backward")
-            scratch.append("bwd_" + name)
-    for name, shape, dt in chunk64_backward_slots(max_slots, HV, K, V, dtype):
-        add("bwd_" + name, shape, dt, "stage buffers", "backward")
-        scratch.append("bwd_" + name)
-    if gate_params:
-        add("dA_log", (HV,), f32, "gradient outputs", "backward")
-        add("ddt_bias", (HV, K), f32, "gradient outputs", "backward")
-    h0_cast = initial_state and initial_state_dtype != f32
-    if not initial_state:
-        dcarry = "bwd_state_grad_carry"
-        add(dcarry, state, f32, "workspace", "backward")
-        scratch.append(dcarry)
-    else:
-        add("d_initial_state_fp32" if h0_cast else "d_initial_state", state, f32,
-            "stage buffers" if h0_cast else "gradient outputs", "backward")
-    if not keep:
-        add("bwd_state_carry", state, f32, "workspace", "backward")
-        scratch.append("bwd_state_carry")
-    if gate_params:
-        add("dA_log_sum", (HV,), f32, "workspace", "backward", live=False)
-        add("ddt_bias_sum", (HV, K), f32, "workspace", "backward", live=False)
-        for _ in range(nonempty):
-            for name in ("dA_log_sum", "ddt_bias_sum"):
-                events.append(("alloc", name))
-                free(name)
-    events.append(("mark", "backward kernels"))
-    free(*scratch)
-    if keep:
-        free(*fwd_slots)
-    if h0_cast:
-        add("d_initial_state", state, initial_state_dtype, "gradient outputs", "backward")
-        events.append(("mark", "initial-state gradient cast"))
-        free("d_initial_state_fp32")
-    if not keep:
-        free("checkpoints")
-    if output_final_state:
-        free("d_final_state")
-    events.append(("mark", "backward end"))
+    scratch = chunk64_step(add, free, events, pipeline=pipeline, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, dtype=dtype,
+                           g_dtype=g_dtype, n_rows=n_rows, n_windows=n_windows, max_slots=max_slots,
+                           nonempty=nonempty, initial_state=initial_state, initial_state_dtype=initial_state_dtype,
+                           output_final_state=output_final_state, gate_params=gate_params)
+    f32 = torch.float32
 
     peak, peak_at, fwd_peak = _replay(allocs, events)
 
@@ -783,11 +664,6 @@ def _plan_chunk64(pipeline, gate, B, T, H, HV, K, V, dtype, g_dtype, lengths, va
         allocations=tuple(allocs), num_chunks=n_rows, pipeline=pipeline, gate=gate, g_dtype=g_dtype,
         window_tokens=window, num_windows=n_windows, max_slots=max_slots,
     )
-
-
-def _window_rows(lengths, window_tokens: int, w: int) -> int:
-    wc = window_tokens // CHUNK64
-    return sum(max(min((w + 1) * wc, -(-int(n) // CHUNK64)) - w * wc, 0) for n in lengths)
 
 
 # ---- the windowed backward's workspace (chunk_bwd_windowed allocates exactly this) ----

@@ -182,9 +182,10 @@ def test_plan_prices_every_allocation_of_the_step(name):
 def test_a_perturbed_slot_fails_the_comparison(monkeypatch):
     """The comparison can fail: one slot a row larger in the plan and the tracked step no longer matches."""
     import kdakit.ops.kda.plan as P
+    import kdakit.ops.kda.plan_chunk64 as P64
 
     gate, pipeline, window, final, x, do, _ = _case("packed_zero_len_softplus")
-    real = P.chunk64_backward_slots
+    real = P64.chunk64_backward_slots
 
     def grown(n, HV, K, V, dtype):
         s = real(n, HV, K, V, dtype)
@@ -192,7 +193,7 @@ def test_a_perturbed_slot_fails_the_comparison(monkeypatch):
         s[1] = (name, (shape[0] + 1,) + shape[1:], dt)
         return s
 
-    monkeypatch.setattr(P, "chunk64_backward_slots", grown)
+    monkeypatch.setattr(P64, "chunk64_backward_slots", grown)
     P._plan_chunk64.cache_clear()
     try:
         plan = plan_kda(B=1, T=203, H=1, HV=2, K=32, V=16, dtype=torch.bfloat16, seqlens=[70, 0, 128, 5],

@@ -1,0 +1,144 @@
+"""The 64-token pipelines' allocations (kdakit/ops/kda/chunk/: forward.py, backward.py, autograd.py allocate exactly
+this), for ``plan.plan_kda(pipeline="chunk64" | "chunk64_fast")``: shapes alone, no tensors, no kernel import.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+CHUNK64 = 64
+
+
+def chunk64_windows(lengths: Sequence[int], window_tokens: int) -> tuple[int, int, int, int]:
+    """``(n_chunks, n_windows, max_slots, nonempty windows)`` of the chunk plan (``chunk.plan.make_chunk_plan``):
+    window w holds chunks ``[w * wc, (w + 1) * wc)`` of every sequence; max_slots is the largest window's row count."""
+    counts = [-(-int(n) // CHUNK64) for n in lengths]
+    most = max(counts, default=0)
+    wc = window_tokens // CHUNK64
+    n_windows = max(-(-most // wc), 1)
+    rows = [sum(max(min((w + 1) * wc, c) - w * wc, 0) for c in counts) for w in range(n_windows)]
+    return sum(counts), n_windows, max(rows), sum(1 for r in rows if r)
+
+
+def chunk64_forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype) -> list:
+    """``(name, shape, dtype)`` of ``chunk.forward.forward_slots`` for n rows, in its order."""
+    f32, C = torch.float32, CHUNK64
+    return [("gc", (n, HV, C, K), f32), ("bt", (n, HV, C), f32), ("rq", (n, H, C), f32), ("rk", (n, H, C), f32),
+            ("aqk", (n, HV, C, C), dtype), ("akk_d", (n, HV, C, 16), f32), ("tinv", (n, HV, C, C), dtype),
+            ("w", (n, HV, C, K), dtype), ("qg", (n, HV, C, K), dtype), ("kd", (n, HV, C, K), dtype),
+            ("u", (n, HV, C, V), dtype), ("h", (n, HV, K, V), dtype)]
+
+
+def chunk64_backward_slots(n: int, HV: int, K: int, V: int, dtype: torch.dtype) -> list:
+    """``(name, shape, dtype)`` of ``chunk.backward.backward_slots`` for n rows, in its order."""
+    f32, C = torch.float32, CHUNK64
+    return [("dh", (n, HV, K, V), dtype), ("daqk", (n, HV, C, C), f32), ("dvs", (n, HV, C, V), f32),
+            ("dakk", (n, HV, C, C), f32), ("dqh", (n, HV, C, K), f32), ("dkh", (n, HV, C, K), f32),
+            ("dgs", (n, HV, C, K), f32), ("dgc", (n, HV, K), f32), ("dbs", (n, HV, C), f32),
+            ("dalog", (n, HV), f32), ("dbias", (n, HV, K), f32)]
+
+
+def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_dtype, n_rows, n_windows,
+                 max_slots, nonempty, initial_state, initial_state_dtype, output_final_state,
+                 gate_params) -> list[str]:
+    """The step after the caller's tensors, allocation by allocation in program order (``chunk64_kda``), through
+    ``add`` / ``free`` / ``events`` (``plan._recorder``); returns the names of the backward's scratch.
+
+    * resident: the memoized chunk plan's device tensors (``make_chunk_plan``: the table int32 ``[chunks, 4]`` and
+      ``seq_rows`` int32 ``[windows, N, 2]``), built by a call's first step and kept by the plan cache across
+      calls, so they are live through every step (allocated first here, never freed);
+    * forward (``chunk_fwd``): o; the fp32 state carry (zeros, or the initial state's fp32 copy: a bf16 state
+      goes through an fp32 cast first); ``chunk64``: the fp32 checkpoints ``[windows, N, HV, K, V]`` (saved) and
+      the slots of the largest window (freed at return); ``chunk64_fast``: the slots of every chunk (saved: the
+      backward reads them, ``ctx.kept``). The carry is the final state when one is returned, else freed;
+    * backward (``chunk_bwd``): dq, dk, dg, dv, dbeta; ``chunk64``: the forward slots again (one window); the
+      backward slots (one window); dA_log ``[HV]`` and ddt_bias ``[HV, K]`` (fp32, zeros); the fp32 dS carry
+      (which is dh0) and, for ``chunk64``, the state carry; per window with the gate's parameters the
+      ``.sum(0)`` temporaries of the per-chunk partials; at return the slots and carries go, then the kept
+      slots (``ctx.kept = None``), then dh0's cast to a bf16 initial state's dtype; the saved tensors are
+      released after the backward returns.
+
+    dq and dk come out of the finishing kernel already summed over a GVA group (no per-value-head partials
+    beyond the window's dqh / dkh slots)."""
+    f32, i32 = torch.float32, torch.int32
+    keep = pipeline == "chunk64_fast"
+    state = (N, HV, K, V)
+    add("chunk_table", (n_rows, 4), i32, "workspace", "forward")
+    add("chunk_seq_rows", (n_windows, N, 2), i32, "workspace", "forward")
+
+    # forward
+    add("o", (B, T, HV, V), dtype, "inputs/dO/O", "forward")
+    carry = "final_state" if output_final_state else "fwd_state_carry"
+    carry_group = "inputs/dO/O" if output_final_state else "workspace"
+    if initial_state and initial_state_dtype != f32:
+        add("fwd_initial_state_fp32", state, f32, "workspace", "forward")
+        add(carry, state, f32, carry_group, "forward")
+        free("fwd_initial_state_fp32")
+    else:
+        add(carry, state, f32, carry_group, "forward")
+    if not keep:
+        add("checkpoints", (n_windows,) + state, f32, "state checkpoints", "saved")
+    fwd_slots = ["fwd_" + name for name, _, _ in chunk64_forward_slots(0, H, HV, K, V, dtype)]
+    for name, shape, dt in chunk64_forward_slots(n_rows if keep else max_slots, H, HV, K, V, dtype):
+        if keep:
+            add("fwd_" + name, shape, dt, "saved forward activations", "saved")
+        else:
+            add("fwd_" + name, shape, dt, "recompute intermediates", "forward")
+    events.append(("mark", "forward"))
+    if not keep:
+        free(*fwd_slots)
+    if not output_final_state:
+        free(carry)
+    else:
+        # autograd hands a zero cotangent for an unused final state
+        add("d_final_state", state, f32, "inputs/dO/O", "backward")
+
+    # backward
+    for name, shape, dt in (("dq", (B, T, H, K), dtype), ("dk", (B, T, H, K), dtype), ("dg", (B, T, HV, K), g_dtype),
+                            ("dv", (B, T, HV, V), dtype), ("dbeta", (B, T, HV), dtype)):
+        add(name, shape, dt, "gradient outputs", "backward")
+    scratch = []
+    if not keep:
+        for name, shape, dt in chunk64_forward_slots(max_slots, H, HV, K, V, dtype):
+            add("bwd_" + name, shape, dt, "recompute intermediates", "backward")
+            scratch.append("bwd_" + name)
+    for name, shape, dt in chunk64_backward_slots(max_slots, HV, K, V, dtype):
+        add("bwd_" + name, shape, dt, "stage buffers", "backward")
+        scratch.append("bwd_" + name)
+    if gate_params:
+        add("dA_log", (HV,), f32, "gradient outputs", "backward")
+        add("ddt_bias", (HV, K), f32, "gradient outputs", "backward")
+    h0_cast = initial_state and initial_state_dtype != f32
+    if not initial_state:
+        dcarry = "bwd_state_grad_carry"
+        add(dcarry, state, f32, "workspace", "backward")
+        scratch.append(dcarry)
+    else:
+        add("d_initial_state_fp32" if h0_cast else "d_initial_state", state, f32,
+            "stage buffers" if h0_cast else "gradient outputs", "backward")
+    if not keep:
+        add("bwd_state_carry", state, f32, "workspace", "backward")
+        scratch.append("bwd_state_carry")
+    if gate_params:
+        add("dA_log_sum", (HV,), f32, "workspace", "backward", live=False)
+        add("ddt_bias_sum", (HV, K), f32, "workspace", "backward", live=False)
+        for _ in range(nonempty):
+            for name in ("dA_log_sum", "ddt_bias_sum"):
+                events.append(("alloc", name))
+                free(name)
+    events.append(("mark", "backward kernels"))
+    free(*scratch)
+    if keep:
+        free(*fwd_slots)
+    if h0_cast:
+        add("d_initial_state", state, initial_state_dtype, "gradient outputs", "backward")
+        events.append(("mark", "initial-state gradient cast"))
+        free("d_initial_state_fp32")
+    if not keep:
+        free("checkpoints")
+    if output_final_state:
+        free("d_final_state")
+    events.append(("mark", "backward end"))
+    return scratch
