@@ -40,6 +40,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -609,7 +610,8 @@ def run_parent(args) -> int:
     t_start = time.monotonic()
     deadline = t_start + args.budget_s
     os.makedirs(args.out, exist_ok=True)
-    args.work_dir = args.work or os.path.join(args.out, f"{args.kind}_samples")
+    # the samples stay off OUT (which run_gpu.sh packs whole): a temporary folder unless --work names one
+    args.work_dir = args.work or tempfile.mkdtemp(prefix=f"vsfla_{args.kind}_")
     os.makedirs(args.work_dir, exist_ok=True)
     pipelines = common.parse_list(args.pipelines, None, "--pipelines")
     impls = common.parse_list(args.impls, ("kdakit", "fla"), "--impls")
@@ -659,6 +661,7 @@ def run_parent(args) -> int:
             _kill(proc)
         result["interrupted"] = f"signal {signum} after {time.monotonic() - t_start:.0f} s"
         save()
+        _drop_samples(args)
         os._exit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -707,15 +710,20 @@ def run_parent(args) -> int:
     result["total_s"] = time.monotonic() - t_start
     save()
     print(result["markdown"])
-    if not args.keep_samples:
-        for name in os.listdir(args.work_dir):
-            if name.endswith(".pt"):
-                os.remove(os.path.join(args.work_dir, name))
-        try:
-            os.rmdir(args.work_dir)
-        except OSError:
-            pass
+    _drop_samples(args)
     return 0 if all(r.get("status") == "ok" for r in records) else 1
+
+
+def _drop_samples(args):
+    if args.keep_samples:
+        return
+    for name in os.listdir(args.work_dir):
+        if name.endswith(".pt"):
+            os.remove(os.path.join(args.work_dir, name))
+    try:
+        os.rmdir(args.work_dir)
+    except OSError:
+        pass
 
 
 def _stub_record(args, cell, key, status, message, **extra):
@@ -745,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU, tiny shapes, kdakit's PyTorch path standing in for FLA: tests the plumbing")
         p.add_argument("--fault", default=None, help=argparse.SUPPRESS)
         p.add_argument("--process", default="split", choices=("fresh", "split", "shared"))
-        p.add_argument("--work", default=None, help="folder for the accuracy samples (default OUT/<kind>_samples)")
+        p.add_argument("--work", default=None, help="folder for the accuracy samples (default a temporary folder, removed at the end)")
         if kind == "worker":
             p.add_argument("--kind", choices=("chunk", "layer"), required=True)
             p.add_argument("--gate", default=None)
