@@ -8,30 +8,50 @@ h = hv // (HV // H)) and G the chunk cumsum of the log-decay (``gc``):
     Akk[r, j]  =         sum_c k̂[r, c] k̂[j, c] exp(G[r, c] - G[j, c])    j <  r
     Tinv       = (I + diag(bt) Akk)^-1                                     unit lower triangular
 
-Two kernels:
+The diagonal 16 x 16 blocks take one of two forms, chosen per (chunk, sub-chunk, value head) at run time by
+the **span check**: with G_mid = G at the sub-chunk's middle row mid = min(16 I + 8, L - 1), the sub-chunk
+passes when every key channel has |G - G_mid| <= DIAG_DOT_SPAN (40) on every row of the sub-chunk (padded rows
+count as row L - 1). G is non-increasing along the rows (log-decays <= 0, the premise of the strips' bound
+below too), so per channel the largest |G - G_mid| sits at the first or the last row: the check reads those two
+rows and mid. A NaN gate makes G NaN from its row on, up to the sub-chunk's last row, and a NaN compares false:
+such a sub-chunk fails. With SAFE (the gate is known to be >= -5 per token, so 8 tokens span at most 40) every
+sub-chunk is taken as passing and the diag kernel is not launched.
 
-* ``chunk_intra_diag_kernel``, token-parallel: one program per (chunk row r, group of BH value heads) forms
-  the diagonal 16 x 16 blocks pair by pair, ``exp(G_r - G_j)`` for the <= 16 earlier tokens j of r's
-  sub-chunk (never exp(-G) of a running sum: log-decays reach -110 per token). It writes aqk's row r from the
-  diagonal block's first column to the end (zeros above the diagonal) and akk_d's row r
-  (``Akk[r, 16 * (r // 16) + jj]``, 0 for jj >= r % 16). Padded rows (r >= L) are written as zeros.
+* passing sub-chunks, by dots in the solve kernel (the backward's SAFE form, grads_intra._diag_safe):
+  ``(x_I exp(G_I - G_mid)) (k̂_I exp(G_mid - G_I))^T``, both factors within exp(+-40), so the 16-bit operands
+  neither overflow nor flush; Aqk's block lower incl. the diagonal, Akk's strictly lower.
+* failing sub-chunks (log-decays reach -110 per token), token-parallel in ``chunk_intra_diag_kernel``: one
+  program per (chunk row r, group of BH value heads) runs the same check and exits at once unless one of its
+  heads fails; then it forms row r of the diagonal blocks pair by pair, ``exp(G_r - G_j)`` for the <= 16
+  earlier tokens j of r's sub-chunk (never exp(-G) of a running sum), and stores each pair as it is formed:
+  aqk's row r over the diagonal block's columns (zeros right of the diagonal; all zeros on padded rows r >= L)
+  and akk_d's row r (``Akk[r, 16 * (r // 16) + jj]``, 0 for jj >= r % 16). Rows of passing sub-chunks of akk_d
+  are not written.
+
+Kernels:
+
+* ``chunk_intra_diag_kernel`` (above), launched before the solve kernel unless SAFE.
 * ``chunk_intra_solve_kernel``, grid (n, HV): the six blocks strictly below the diagonal blocks of Aqk and
   Akk by tensor-core dots, as three column strips ``[64, 16]`` (M = 64 spreads a dot over the warps; a
   16-row dot is replicated in every warp). Strip J holds the blocks (I, J), I > J, with the reference
   ``ref_J = G[16 J + 15]``, the last row of sub-chunk J: ``(x_i exp(G_i - ref_J)) (k̂_j exp(ref_J - G_j))^T``,
   both factors <= 1 for any gate (G is non-increasing along the rows); the row factor is formed once per key
   block as ``exp(G_i - R_i)`` (R_i = G at the last row before row i's sub-chunk) times the per-sub-chunk
-  vector ``exp(R_i - ref_J) <= 1``. Then Tinv: the four diagonal blocks ``(I + diag(bt) Akk_II)^-1`` by
-  forward substitution on rows of akk_d, the off-diagonal blocks by block substitution
-  ``T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ`` (A = diag(bt) Akk) with fp32 dots. It stores aqk's off-diagonal
-  blocks and the whole of tinv (exact zeros above the diagonal; padded rows are unit rows, bt being 0 there).
+  vector ``exp(R_i - ref_J) <= 1``. Then the diagonal blocks of the passing sub-chunks by dots (Aqk's stored,
+  Akk's kept in registers; a failing sub-chunk's Akk block is read from akk_d), after the strips so that
+  their tiles are not live together. Then Tinv: the four diagonal blocks ``(I + diag(bt) Akk_II)^-1`` by
+  forward substitution on rows of those Akk blocks, the off-diagonal blocks by block substitution
+  ``T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ`` (A = diag(bt) Akk) with fp32 dots. It stores aqk's blocks below
+  and above the diagonal blocks (zeros above) and the whole of tinv (exact zeros above the diagonal; padded
+  rows are unit rows, bt being 0 there).
 
 Layouts: q, k ``[B, T, H, K]`` token tensors read through their strides (unit last stride); slots (contiguous)
 gc fp32 ``[n, HV, C, K]``, bt fp32 ``[n, HV, C]``, rq, rk fp32 ``[n, H, C]``; outputs aqk, tinv
-``[n, HV, C, C]`` in the token dtype, akk_d fp32 ``[n, HV, C, 16]``. Limits: K <= 128, HV a multiple of H.
+``[n, HV, C, C]`` in the token dtype; akk_d fp32 ``[n, HV, C, 16]``, the channel from the diag kernel to the
+solve kernel (rows of failing sub-chunks only). Limits: K <= 128, HV a multiple of H.
 
 Products of 16-bit inputs use bf16 dot operands (fp16 too, for the exponent range); fp32 inputs use fp32
-operands at ``backend.dot_precision``. The inverse stays fp32, its dots at fp32 precision (3xTF32 on the GPU).
+operands at ``backend.dot_precision``; the token-parallel pairs are fp32 sums. The inverse stays fp32, its dots at fp32 precision (3xTF32 on the GPU).
 """
 
 from __future__ import annotations
@@ -44,15 +64,22 @@ from kdakit.ops.kda.backend import dot_precision, triton_interpreting
 from kdakit.ops.kda.chunk.tiles import CHUNK, MAX_HEAD_DIM, SUB, check_token_strides, chunk_row, dot_operand, token_base
 from kdakit.ops.kda.chunk_common import block_size, load_row_scalars, round_to_bf16_if
 
+# The span check's bound: a sub-chunk whose |G - G_mid| stays <= 40 on every row and channel has its diagonal
+# blocks formed by dots, with factors within exp(+-40): the envelope of the safe gate (8 tokens x 5 per token on
+# either side of the middle row), the one the backward's SAFE dots use and the GPU tier validates.
+DIAG_DOT_SPAN = 40.0
+DIAG_DOT_SPAN_TL = tl.constexpr(DIAG_DOT_SPAN)
+
 # launch configs
-DIAG_BLOCK_H = 16  # value heads per token-parallel program ([BH, BK] tiles)
-DIAG_NUM_WARPS = 4
+DIAG_BLOCK_H = 2  # value heads per token-parallel program ([BH, BK] tiles)
+DIAG_NUM_WARPS = 1
 SOLVE_BLOCK_K = 32  # key channels per step of the off-diagonal dots, 16-bit inputs (bf16 operands)
 SOLVE_BLOCK_K_FP32 = 16  # fp32 inputs (3xTF32 operands: 32 takes 238 sm_90a registers, 16 takes 180)
 SOLVE_NUM_WARPS = {"bf16": 2, "fp32": 4}  # by operand kind
-# The bf16 solve kernel keeps a small spill at 2 warps (sm_90a ptxas: ~300 B): measured on the H200 it is faster
-# than the spill-free 4-warp build (docs/perf_notes.md, "Launch configs").
-SOLVE_SPILL_BUDGET = {"bf16": 320, "fp32": 0}  # bytes of spill stores + loads the build test allows
+# The bf16 solve kernel keeps a small spill at 2 warps (sm_90a ptxas: ~300 B; the diagonal blocks' dots, formed
+# after the strips, do not raise it by more than a few dozen bytes in either SAFE variant): measured on the H200
+# the 2-warp build was faster than the spill-free 4-warp one (docs/perf_notes.md, "Launch configs").
+SOLVE_SPILL_BUDGET = {"bf16": 340, "fp32": 0}  # bytes of spill stores + loads the build test allows
 
 
 def solve_block_k(op_bf16: bool, BK: int) -> int:
@@ -124,13 +151,72 @@ def _row_blocks(x, SB: tl.constexpr):
 
 
 @triton.jit
-def _substitution_row(akk_row, b_s, X, s, r):
-    """Row s of ``X = (I + A)^-1 - I`` for a diagonal block, A = b * Akk strictly lower:
-    ``X[s] = -A[s] - sum_j A[s, j] X[j]`` (rows j < s of X final; row s of Akk loaded from akk_d)."""
-    a = -b_s * tl.load(akk_row + r)  # [SB]
+def _substitution_row(akk_t, b_s, X, s, r):
+    """Row s of ``X = (I + A)^-1 - I`` for a diagonal block, A = b * Akk strictly lower, from the block's
+    transpose ``akk_t[j, i] = Akk[i, j]`` ``[SB, SB]``: ``X[s] = -A[s] - sum_j A[s, j] X[j]`` (rows j < s of X
+    final). Column s of akk_t is picked by a masked sum (exact: one term per entry)."""
+    a = -b_s * tl.sum(tl.where((r == s)[None, :], akk_t, 0.0), axis=1)  # [SB] A[s, j] by j
     a = tl.where(r < s, a, 0.0)
     a = a + tl.sum(a[:, None] * X, axis=0)  # [SB]
     return tl.where((r == s)[:, None], a[None, :], X)
+
+
+@triton.jit
+def _span_bad(g_first, g_mid, g_last):
+    """1 where a key channel fails the span check (|G - G_mid| > DIAG_DOT_SPAN at the sub-chunk's first or last
+    row, or a NaN), else 0 (int32, elementwise). The one form of both kernels, so that they agree bit for bit."""
+    ok = (tl.abs(g_first - g_mid) <= DIAG_DOT_SPAN_TL) & (tl.abs(g_last - g_mid) <= DIAG_DOT_SPAN_TL)
+    return tl.where(ok, 0, 1)
+
+
+@triton.jit
+def _diag_block(q_base, k_base, g_base, rq_base, rk_base, aqk_base, d_base, scale, L, sqt, skt,
+                I: tl.constexpr, K: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+                OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, ROUND: tl.constexpr,
+                SAFE: tl.constexpr):
+    """Sub-chunk I's diagonal block of Akk, transposed (``[SB, SB]``, entry [j, i] = Akk[16 I + i, 16 I + j]).
+
+    Passing the span check (always with SAFE): by dots with the middle row as reference, storing aqk's diagonal
+    block (lower incl. the diagonal, zeros above) too. Failing: read from akk_d, whose rows (and aqk's block)
+    the diag kernel wrote."""
+    r0 = SB * I
+    a = tl.arange(0, SB)
+    rows = tl.minimum(r0 + a, L - 1)  # [SB] padded rows read G as row L - 1
+    mid = tl.minimum(r0 + SB // 2, L - 1)
+    passed = True
+    if not SAFE:
+        bad = tl.zeros([BK], dtype=tl.int32)
+        for c0 in range(0, K, BK):
+            c = c0 + tl.arange(0, BK)
+            m_c = c < K
+            bad += _span_bad(tl.load(g_base + tl.minimum(r0, L - 1) * K + c, mask=m_c, other=0.0),
+                             tl.load(g_base + mid * K + c, mask=m_c, other=0.0),
+                             tl.load(g_base + tl.minimum(r0 + SB - 1, L - 1) * K + c, mask=m_c, other=0.0))
+        passed = tl.sum(bad) == 0
+    if passed:
+        acc_q = tl.zeros([SB, SB], dtype=tl.float32)
+        acc_k = tl.zeros([SB, SB], dtype=tl.float32)  # transposed
+        rq_i = load_row_scalars(rq_base, r0, L, 1, SB)  # [SB]
+        rk_i = load_row_scalars(rk_base, r0, L, 1, SB)
+        for c0 in range(0, K, BK):
+            c = c0 + tl.arange(0, BK)
+            m_c = c < K
+            g = tl.load(g_base + rows[:, None] * K + c[None, :], mask=m_c[None, :], other=0.0)  # [SB, BK]
+            g_mid = tl.load(g_base + mid * K + c, mask=m_c, other=0.0)[None, :]  # [1, BK]
+            ef = tl.exp(g - g_mid)  # [SB, BK] within exp(+-40)
+            eb = tl.exp(g_mid - g)
+            k_i = _load_tile(k_base, r0, L, skt, c0, K, SB, BK) * rk_i[:, None]  # [SB, BK]
+            x_q = dot_operand(_load_tile(q_base, r0, L, sqt, c0, K, SB, BK) * rq_i[:, None] * ef, OP_BF16,
+                              EMULATE_BF16)
+            x_k = dot_operand(k_i * ef, OP_BF16, EMULATE_BF16)
+            y = dot_operand(k_i * eb, OP_BF16, EMULATE_BF16)
+            acc_q = tl.dot(x_q, tl.trans(y), acc=acc_q, input_precision=DOT_PREC)  # [SB, SB] Aqk_II / scale
+            acc_k = tl.dot(y, tl.trans(x_k), acc=acc_k, input_precision=DOT_PREC)  # [SB, SB] Akk_II^T
+        _store_block(aqk_base, tl.where(a[:, None] >= a[None, :], acc_q * scale, 0.0), I, I, C, SB, ROUND)
+        akk_t = tl.where(a[:, None] < a[None, :], acc_k, 0.0)  # Akk strictly lower
+    else:
+        akk_t = tl.load(d_base + (r0 + a)[None, :] * SB + a[:, None])  # [SB, SB] akk_d[r0 + i, j] at [j, i]
+    return akk_t
 
 
 # ---------------------------------------------------------------------------------------
@@ -145,7 +231,8 @@ def chunk_intra_diag_kernel(
     K: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
     ROUND: tl.constexpr,
 ):
-    """Program (table row i and chunk row r, BH value heads): row r of the diagonal blocks of Aqk and Akk."""
+    """Program (table row i and chunk row r, BH value heads): row r of the diagonal blocks of Aqk and Akk of the
+    heads whose sub-chunk fails the span check, each pair (r, j) stored as it is formed."""
     pid = tl.program_id(0)
     i = pid // C
     r = pid % C  # the program's chunk row
@@ -163,6 +250,26 @@ def chunk_intra_diag_kernel(
     q_ptr = q + b * sqb + t0 * sqt + (h.to(tl.int64) * sqh)[:, None] + c[None, :]  # [BH, BK] at row 0
     k_ptr = k + b * skb + t0 * skt + (h.to(tl.int64) * skh)[:, None] + c[None, :]
     g_ptr = gc + (slot_h * (C * K))[:, None] + c[None, :]  # [BH, BK] at row 0
+    aqk_row = aqk + (slot_h * C + r) * C  # [BH] row r of each head's Aqk
+    akk_row = akk_d + (slot_h * C + r) * SB  # [BH] row r of each head's akk_d
+
+    # the span check of r's sub-chunk per head (the solve kernel forms the passing ones by dots)
+    bad = _span_bad(tl.load(g_ptr + tl.minimum(s0, L - 1) * K, mask=m_hk, other=0.0),
+                    tl.load(g_ptr + tl.minimum(s0 + SB // 2, L - 1) * K, mask=m_hk, other=0.0),
+                    tl.load(g_ptr + tl.minimum(s0 + SB - 1, L - 1) * K, mask=m_hk, other=0.0))  # [BH, BK]
+    m_h = m_h & (tl.sum(bad, axis=1) > 0)
+    if tl.sum(m_h.to(tl.int32)) == 0:
+        return
+    m_hk = m_h[:, None] & (c < K)[None, :]
+
+    # zeros: the diagonal block's row right of the diagonal (all of it on padded rows); the pairs below write
+    # the rest
+    jj = tl.arange(0, SB)
+    first_zero = tl.where(live, r + 1, s0) - s0  # [] first zero column within the block
+    tl.store(aqk_row[:, None] + (s0 + jj)[None, :], tl.zeros([BH, SB], dtype=aqk.dtype.element_ty),
+             mask=m_h[:, None] & (jj >= first_zero)[None, :])
+    tl.store(akk_row[:, None] + jj[None, :], tl.zeros([BH, SB], dtype=tl.float32),
+             mask=m_h[:, None] & (jj >= first_zero)[None, :])
 
     m_r = m_hk & live
     q_r = tl.load(q_ptr + r.to(tl.int64) * sqt, mask=m_r, other=0.0).to(tl.float32)  # [BH, BK]
@@ -173,10 +280,6 @@ def chunk_intra_diag_kernel(
     q_r = q_r * (scale * rq_r)[:, None]
     k_r = k_r * rk_r[:, None]
 
-    cols = tl.arange(0, C)
-    jj = tl.arange(0, SB)
-    a_qk = tl.zeros([BH, C], dtype=tl.float32)  # row r of Aqk, by absolute column
-    a_kk = tl.zeros([BH, SB], dtype=tl.float32)  # row r of the diagonal block of Akk
     hi = r + 1
     if not live:
         hi = s0  # padded rows: no pair
@@ -187,15 +290,10 @@ def chunk_intra_diag_kernel(
         rk_j = tl.load(rk + qk_h * C + j, mask=m_h, other=0.0)  # [BH]
         kg = k_j * tl.exp(g_r - g_j) * rk_j[:, None]  # [BH, BK], exponent <= 0
         s_qk = tl.sum(q_r * kg, axis=1)  # [BH]
+        tl.store(aqk_row + j, round_to_bf16_if(s_qk, ROUND).to(aqk.dtype.element_ty), mask=m_h)
         s_kk = tl.sum(k_r * kg, axis=1)
-        a_qk = tl.where((cols == j)[None, :], s_qk[:, None], a_qk)
-        a_kk = tl.where((jj == j - s0)[None, :] & (j < r), s_kk[:, None], a_kk)
+        tl.store(akk_row + (j - s0), tl.where(j < r, s_kk, 0.0), mask=m_h)
         j += 1
-
-    m_out = m_h[:, None] & (cols >= s0)[None, :]  # the diagonal block and the zeros right of it
-    tl.store(aqk + (slot_h * C + r)[:, None] * C + cols[None, :],
-             round_to_bf16_if(a_qk, ROUND).to(aqk.dtype.element_ty), mask=m_out)
-    tl.store(akk_d + (slot_h * C + r)[:, None] * SB + jj[None, :], a_kk, mask=m_h[:, None])
 
 
 @triton.jit
@@ -204,9 +302,9 @@ def chunk_intra_solve_kernel(
     sqb, sqt, sqh, skb, skt, skh, H, HV,
     K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
     OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
-    ROUND: tl.constexpr,
+    ROUND: tl.constexpr, SAFE: tl.constexpr,
 ):
-    """Program (table row i, value head hv): Aqk's off-diagonal blocks and Tinv of the chunk."""
+    """Program (table row i, value head hv): Aqk's blocks but the failing sub-chunks' diagonal ones, Tinv."""
     i = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // (HV // H)
@@ -278,22 +376,37 @@ def chunk_intra_solve_kernel(
     _, _, a21, a31 = _row_blocks(k1 * bts, SB)
     _, _, _, a32 = _row_blocks(k2 * bts, SB)
 
-    # diagonal blocks: X = (I + A_II)^-1 - I by forward substitution, rows 0 and 1 are -A's
-    r = tl.arange(0, SB)
-    low = r[:, None] > r[None, :]
-    b1 = tl.load(bt_base + SB + r)  # [SB]
-    b2 = tl.load(bt_base + 2 * SB + r)
-    b3 = tl.load(bt_base + 3 * SB + r)
+    # zeros above the diagonal blocks
+    zero = tl.zeros([SB, SB], dtype=tl.float32)
+    _store_block(aqk_base, zero, 0, 1, C, SB, ROUND)
+    _store_block(aqk_base, zero, 0, 2, C, SB, ROUND)
+    _store_block(aqk_base, zero, 0, 3, C, SB, ROUND)
+    _store_block(aqk_base, zero, 1, 2, C, SB, ROUND)
+    _store_block(aqk_base, zero, 1, 3, C, SB, ROUND)
+    _store_block(aqk_base, zero, 2, 3, C, SB, ROUND)
+
+    # the diagonal blocks of Akk (transposed; by dots when the sub-chunk passes, storing Aqk's too)
     d_base = akk_d + slot * (C * SB)
-    x0 = tl.where(low, -_load_block(d_base, 0, SB) * tl.load(bt_base + r)[:, None], 0.0)  # [SB, SB]
-    x1 = tl.where(low, -_load_block(d_base, 1, SB) * b1[:, None], 0.0)
-    x2 = tl.where(low, -_load_block(d_base, 2, SB) * b2[:, None], 0.0)
-    x3 = tl.where(low, -_load_block(d_base, 3, SB) * b3[:, None], 0.0)
-    for s in range(2, SB):
-        x0 = _substitution_row(d_base + s * SB, tl.load(bt_base + s), x0, s, r)
-        x1 = _substitution_row(d_base + (SB + s) * SB, tl.load(bt_base + SB + s), x1, s, r)
-        x2 = _substitution_row(d_base + (2 * SB + s) * SB, tl.load(bt_base + 2 * SB + s), x2, s, r)
-        x3 = _substitution_row(d_base + (3 * SB + s) * SB, tl.load(bt_base + 3 * SB + s), x3, s, r)
+    d0 = _diag_block(q_base, k_base, g_base, rq_base, rk_base, aqk_base, d_base, scale, L, sqt, skt, 0, K, C, SB,
+                     BK, OP_BF16, EMULATE_BF16, DOT_PREC, ROUND, SAFE)
+    d1 = _diag_block(q_base, k_base, g_base, rq_base, rk_base, aqk_base, d_base, scale, L, sqt, skt, 1, K, C, SB,
+                     BK, OP_BF16, EMULATE_BF16, DOT_PREC, ROUND, SAFE)
+    d2 = _diag_block(q_base, k_base, g_base, rq_base, rk_base, aqk_base, d_base, scale, L, sqt, skt, 2, K, C, SB,
+                     BK, OP_BF16, EMULATE_BF16, DOT_PREC, ROUND, SAFE)
+    d3 = _diag_block(q_base, k_base, g_base, rq_base, rk_base, aqk_base, d_base, scale, L, sqt, skt, 3, K, C, SB,
+                     BK, OP_BF16, EMULATE_BF16, DOT_PREC, ROUND, SAFE)
+
+    # the inverse's diagonal blocks: X = (I + A_II)^-1 - I by forward substitution (row 0 of X is 0)
+    r = tl.arange(0, SB)
+    x0 = zero
+    x1 = zero
+    x2 = zero
+    x3 = zero
+    for s in range(1, SB):
+        x0 = _substitution_row(d0, tl.load(bt_base + s), x0, s, r)
+        x1 = _substitution_row(d1, tl.load(bt_base + SB + s), x1, s, r)
+        x2 = _substitution_row(d2, tl.load(bt_base + 2 * SB + s), x2, s, r)
+        x3 = _substitution_row(d3, tl.load(bt_base + 3 * SB + s), x3, s, r)
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     t00 = x0 + eye
     t11 = x1 + eye
@@ -312,7 +425,6 @@ def chunk_intra_solve_kernel(
                   + tl.dot(a32, t20, input_precision=INV_PREC), input_precision=INV_PREC)
 
     t_base = tinv + slot * (C * C)
-    zero = tl.zeros([SB, SB], dtype=tl.float32)
     _store_block(t_base, t00, 0, 0, C, SB, ROUND)
     _store_block(t_base, zero, 0, 1, C, SB, ROUND)
     _store_block(t_base, zero, 0, 2, C, SB, ROUND)
@@ -350,8 +462,9 @@ def _check(name: str, x, shape: tuple, dtype: torch.dtype, device) -> None:
 
 
 def run_intra(opts, table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv) -> None:
-    """Aqk (diagonal blocks token-parallel, the rest by dots), the diagonal blocks of Akk and Tinv of the
-    table's chunks, into the caller's aqk, akk_d, tinv (slot i = table row i)."""
+    """Aqk, Tinv of the table's chunks into the caller's aqk, tinv (slot i = table row i); akk_d is the diag
+    kernel's scratch for the sub-chunks that fail the span check (rows of the others are not written).
+    ``opts.safe``: the gate is >= -5 per token, every diagonal block is formed by dots."""
     for name, x in (("q", q), ("k", k), ("table", table)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -388,13 +501,15 @@ def run_intra(opts, table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv) -> None:
     strides = (*q.stride()[:3], *k.stride()[:3])
     BK = block_size(K)
     round_out = interp and q.dtype == torch.bfloat16
-    chunk_intra_diag_kernel[(n * C, triton.cdiv(HV, DIAG_BLOCK_H))](
-        table, q, k, gc, rq, rk, aqk, akk_d, opts.scale, *strides, H, HV,
-        K=K, BK=BK, BH=DIAG_BLOCK_H, C=C, SB=SUB, ROUND=round_out, num_warps=DIAG_NUM_WARPS, num_stages=1,
-    )
+    safe = bool(opts.safe)
+    if not safe:
+        chunk_intra_diag_kernel[(n * C, triton.cdiv(HV, DIAG_BLOCK_H))](
+            table, q, k, gc, rq, rk, aqk, akk_d, opts.scale, *strides, H, HV,
+            K=K, BK=BK, BH=DIAG_BLOCK_H, C=C, SB=SUB, ROUND=round_out, num_warps=DIAG_NUM_WARPS, num_stages=1,
+        )
     chunk_intra_solve_kernel[(n, HV)](
         table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv, opts.scale, *strides, H, HV,
         K=K, BK=solve_block_k(op_bf16, BK), C=C, SB=SUB, OP_BF16=op_bf16, EMULATE_BF16=op_bf16 and interp,
-        DOT_PREC=dot_precision(q.dtype), INV_PREC=dot_precision(torch.float32), ROUND=round_out,
+        DOT_PREC=dot_precision(q.dtype), INV_PREC=dot_precision(torch.float32), ROUND=round_out, SAFE=safe,
         num_warps=SOLVE_NUM_WARPS["bf16" if op_bf16 else "fp32"], num_stages=1,
     )

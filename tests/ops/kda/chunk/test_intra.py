@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kdakit.ops.kda.chunk.intra import (
-    DIAG_NUM_WARPS, SOLVE_NUM_WARPS, SOLVE_SPILL_BUDGET, chunk_intra_diag_kernel, chunk_intra_solve_kernel, run_intra, solve_block_k,
+    DIAG_DOT_SPAN, DIAG_NUM_WARPS, SOLVE_NUM_WARPS, SOLVE_SPILL_BUDGET, chunk_intra_diag_kernel,
+    chunk_intra_solve_kernel, run_intra, solve_block_k,
 )
 from kdakit.ops.kda.chunk.plan import chunk_table, chunk_table_rows
 from kdakit.ops.kda.chunk.tiles import CHUNK, SUB
@@ -101,6 +102,37 @@ def diag_blocks(m):
     return torch.cat([m[..., s * SUB:(s + 1) * SUB, s * SUB:(s + 1) * SUB] for s in range(C // SUB)], dim=-2)
 
 
+def token_parallel(x):
+    """bool ``[n, HV, C // SUB]``: the sub-chunks that fail the span check (fp32, as the kernels form it): some
+    channel with |G - G_mid| > DIAG_DOT_SPAN at the sub-chunk's first or last row (padded rows as row L - 1)."""
+    out = torch.zeros(len(x.rows), x.HV, C // SUB, dtype=torch.bool)
+    for i, (_, _, _, L) in enumerate(x.rows):
+        for s in range(C // SUB):
+            g = [x.gc[i, :, min(r, L - 1)] for r in (SUB * s, SUB * s + SUB // 2, SUB * s + SUB - 1)]
+            ok = ((g[0] - g[1]).abs() <= DIAG_DOT_SPAN) & ((g[2] - g[1]).abs() <= DIAG_DOT_SPAN)  # NaN: False
+            out[i, :, s] = ~ok.all(dim=-1)
+    return out
+
+
+def check_akk_d(akk_d, r_akk, tp, rows):
+    """akk_d (NaN-filled before the call) against float64 on the token-parallel sub-chunks' rows (zeros in the
+    unused columns and on padded rows), untouched (NaN) on the others'."""
+    r = torch.arange(C)
+    tp_rows = tp.repeat_interleave(SUB, dim=-1)  # [n, HV, C]
+    assert torch.isnan(akk_d[~tp_rows]).all(), "akk_d rows of a sub-chunk formed by dots were written"
+    ref = diag_blocks(r_akk)
+    got = akk_d[tp_rows].double()
+    assert torch.isfinite(got).all()
+    if got.numel():
+        err = ((got - ref[tp_rows]).abs() / ref.abs().amax(dim=(-2, -1), keepdim=True).expand_as(ref)[tp_rows]
+               .clamp(min=1e-30)).max().item()
+        assert err <= 1e-5, f"akk_d: max error {err:.3g}"  # fp32 math and storage, 16-bit q, k or not
+    upper = (r[None, :SUB] >= (r % SUB)[:, None]).expand_as(akk_d)
+    assert (akk_d[upper & tp_rows[..., None]] == 0).all()
+    for i, (_, _, _, L) in enumerate(rows):
+        assert (akk_d[i, :, L:][tp_rows[i, :, L:]] == 0).all()
+
+
 def check_close(name, got, ref, tol):
     """Max error relative to the matrix's largest entry, per (slot, value head)."""
     got = got.double()
@@ -134,23 +166,29 @@ def test_intra_matches_reference(case):
     aqk = torch.full((n, HV, C, C), math.nan, dtype=dtype)
     akk_d = torch.full((n, HV, C, SUB), math.nan)
     tinv = torch.full((n, HV, C, C), math.nan, dtype=dtype)
-    run_intra(SimpleNamespace(scale=scale), x.table, x.q, x.k, x.gc, x.bt, x.rq, x.rk, aqk, akk_d, tinv)
+    run_intra(SimpleNamespace(scale=scale, safe=False), x.table, x.q, x.k, x.gc, x.bt, x.rq, x.rk, aqk, akk_d, tinv)
 
+    check_outputs(x, scale, dtype, aqk, akk_d, tinv)
+
+
+def check_outputs(x, scale, dtype, aqk, akk_d, tinv):
+    """The common checks; returns the token-parallel sub-chunk mask."""
     r_aqk, r_akk, r_tinv = reference(x, scale)
     fp32 = dtype == torch.float32
     check_close("aqk", aqk, r_aqk, 1e-5 if fp32 else 8e-3)
-    check_close("akk_d", akk_d, diag_blocks(r_akk), 1e-5)  # fp32 math and storage, 16-bit q, k or not
+    tp = token_parallel(x)
+    check_akk_d(akk_d, r_akk, tp, x.rows)
     check_close("tinv", tinv, r_tinv, 1e-4 if fp32 else 5e-3)
 
     r = torch.arange(C)
     upper = r[None, :] > r[:, None]
     assert (aqk[..., upper] == 0).all() and (tinv[..., upper] == 0).all()
     assert (tinv.diagonal(dim1=-2, dim2=-1) == 1).all()
-    assert (akk_d[..., r[None, :SUB] >= (r % SUB)[:, None]] == 0).all()
     for i, (_, _, _, L) in enumerate(x.rows):
-        assert (aqk[i, :, L:] == 0).all() and (akk_d[i, :, L:] == 0).all()
+        assert (aqk[i, :, L:] == 0).all()
         # padded rows are identity steps: Tinv's rows there are unit rows
         assert (tinv[i, :, L:].double() == torch.eye(C, dtype=torch.float64)[L:]).all()
+    return tp
 
 
 def test_diag_blocks_exact_under_resets():
@@ -165,7 +203,7 @@ def test_diag_blocks_exact_under_resets():
     aqk = torch.empty(1, 1, C, C)
     akk_d = torch.empty(1, 1, C, SUB)
     tinv = torch.empty(1, 1, C, C)
-    run_intra(SimpleNamespace(scale=0.5), x.table, x.q, x.k, x.gc, x.bt, x.rq, x.rk, aqk, akk_d, tinv)
+    run_intra(SimpleNamespace(scale=0.5, safe=False), x.table, x.q, x.k, x.gc, x.bt, x.rq, x.rk, aqk, akk_d, tinv)
     r_aqk, r_akk, r_tinv = reference(x, 0.5)
     assert (aqk[0, 0, 7:, :7] == 0).all() and (akk_d[0, 0, 7:16, :7] == 0).all()
     # the diagonal blocks pair by pair: each entry, down to 1e-30, to fp32 rounding (sums of 24 terms)
@@ -178,7 +216,7 @@ def test_diag_blocks_exact_under_resets():
 def test_run_intra_rejects_bad_arguments():
     x = make_inputs(B=1, T=16, H=1, HV=2, K=16, seqlens=None, dtype=torch.float32, gate=GATE_LOWER_BOUND,
                     l2norm=True, strided=False, seed=0)
-    n, opts = len(x.rows), SimpleNamespace(scale=1.0)
+    n, opts = len(x.rows), SimpleNamespace(scale=1.0, safe=False)
     good = dict(aqk=torch.empty(n, 2, C, C), akk_d=torch.empty(n, 2, C, SUB), tinv=torch.empty(n, 2, C, C))
 
     def call(**over):
@@ -218,24 +256,27 @@ for tok in ("bf16", "fp32"):  # fp16 builds the bf16 code (bf16 operands) on fp1
     out[f"{fn.__name__} {tok}"] = dict(sm90_report(fn, types, dict(K=128, BK=128, BH=M.DIAG_BLOCK_H, C=64, SB=16,
                                                                    ROUND=False), warps), warps=warps)
     fn, warps = M.chunk_intra_solve_kernel, M.SOLVE_NUM_WARPS["fp32" if tok == "fp32" else "bf16"]
-    out[f"{fn.__name__} {tok}"] = dict(sm90_report(fn, types, dict(
-        K=128, BK=M.solve_block_k(tok != "fp32", 128), C=64, SB=16, OP_BF16=tok != "fp32", EMULATE_BF16=False,
-        DOT_PREC="tf32x3" if tok == "fp32" else "tf32", INV_PREC="tf32x3", ROUND=False), warps), warps=warps)
+    for safe in (False, True):
+        out[f"{fn.__name__} {tok} safe={safe}"] = dict(sm90_report(fn, types, dict(
+            K=128, BK=M.solve_block_k(tok != "fp32", 128), C=64, SB=16, OP_BF16=tok != "fp32", EMULATE_BF16=False,
+            DOT_PREC="tf32x3" if tok == "fp32" else "tf32", INV_PREC="tf32x3", ROUND=False, SAFE=safe), warps),
+            warps=warps)
 print_reports(out)
 """
 
 
 def test_kernels_build_for_sm90_without_spills():
-    """Both kernels, 16-bit and fp32 inputs, at the launcher's configs (K = 128): no spills, registers within
-    the budget of their warp count (<= 255 at 1-4 warps)."""
+    """Both kernels, 16-bit and fp32 inputs, the solve kernel with and without SAFE, at the launcher's configs
+    (K = 128): spills within SOLVE_SPILL_BUDGET (none for the diag kernel), registers <= 255."""
     reports = read_reports(run_sm90_build(BUILD_SCRIPT))
-    assert len(reports) == 4, reports
+    assert len(reports) == 6, reports
     for key, r in reports.items():
-        name, tok = key.split()
-        assert r["warps"] in (DIAG_NUM_WARPS, *SOLVE_NUM_WARPS.values()) and r["warps"] <= 4
+        name, tok = key.split()[:2]
+        expect = DIAG_NUM_WARPS if name == chunk_intra_diag_kernel.__name__ else SOLVE_NUM_WARPS[tok]
+        assert r["warps"] == expect and r["warps"] <= 4
         budget = SOLVE_SPILL_BUDGET[tok] if name == chunk_intra_solve_kernel.__name__ else 0
         spill = r["spill_stores"] + r["spill_loads"]
-        assert spill <= budget, f"{name} {tok}: {spill} bytes of spill (budget {budget})"
-        assert r["regs"] <= 255, f"{name} {tok}: {r['regs']} registers"
+        assert spill <= budget, f"{key}: {spill} bytes of spill (budget {budget})"
+        assert r["regs"] <= 255, f"{key}: {r['regs']} registers"
     assert {key.split()[0] for key in reports} == {chunk_intra_diag_kernel.__name__, chunk_intra_solve_kernel.__name__}
     assert solve_block_k(True, 128) >= 16
