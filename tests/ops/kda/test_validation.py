@@ -240,7 +240,7 @@ def test_checkpoint_cadence_and_chunk_size_rules_are_the_same_on_both_backends(m
 def test_chunk_size_is_refused_on_the_triton_path(monkeypatch):
     monkeypatch.setenv("KDAKIT_BACKEND", "triton")
     inp = make_kda_inputs(T=40, H=1, K=16, V=16, dtype=torch.float32, gate="safe")
-    with pytest.raises(ValueError, match="Triton kernels use 16-token chunks"):
+    with pytest.raises(ValueError, match="pipeline='windowed16' uses 16-token chunks"):
         chunk_kda(**inp["tensors"], **inp["kwargs"], chunk_size=32)
 
 

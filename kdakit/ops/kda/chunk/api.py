@@ -28,12 +28,12 @@ from kdakit.ops.kda.chunk_triton import chunk_kda_triton, chunk_kda_triton_state
 from kdakit.ops.kda.compiled import chunk_kda_via_op
 from kdakit.ops.kda.state_pool import gather_pool_rows, scatter_pool_rows, zero_padded_outputs
 from kdakit.ops.kda.options import kda_options
+from kdakit.ops.kda.plan import PIPELINES as PLAN_PIPELINES, chunk64_window, gate_kind, resolve_pipeline
 from kdakit.ops.kda.validate import check_state_pool
 from kdakit.ops.kda.workspace import check_capturable_offsets, is_capturing
 
-# The Triton chunk pipelines a call may name (``pipeline``), and the 64-token ones' default windows in tokens.
-PIPELINES = (None, "windowed16", "chunk64", "chunk64_fast")
-CHUNK64_WINDOW = {"chunk64": 1024, "chunk64_fast": 2048}
+# The values ``pipeline`` takes (None: the plan's default for the call's gate, ``plan.DEFAULT_PIPELINE``).
+PIPELINES = (None,) + PLAN_PIPELINES
 
 # FLA 0.6.0 options kdakit does not implement; each raises if set to a non-default value.
 _UNSUPPORTED_FLA_OPTIONS = {
@@ -116,20 +116,25 @@ def chunk_kda(
     kdakit-only keyword arguments:
         A_log: ``[HV]`` fp32 gate parameter (FLA passes it through ``**kwargs``).
         dt_bias: ``[HV * K]`` fp32 gate bias.
-        chunk_size: chunk length of the PyTorch path (16, 32 or 64; default 16). The Triton
-            kernels use 16-token chunks and raise for another value. The result does not
-            depend on it beyond round-off.
-        pipeline: which Triton chunk pipeline runs (CUDA tensors; the PyTorch path ignores it):
-            ``None`` or ``"windowed16"``: 16-token forward and windowed backward, peak within 1.10x of the memory
-            floor (slow with an unbounded gate); ``"chunk64"``: the 64-token pipeline, whose backward recomputes
-            each window of ``checkpoint_every_n_tokens`` tokens (default 1024); ``"chunk64_fast"``: the same with
+        chunk_size: chunk length of the PyTorch path (16, 32 or 64). With ``pipeline=None`` it also picks the
+            Triton pipeline: 16 the 16-token one, 64 the 64-token one (32 is the PyTorch path's only); the
+            result does not depend on it beyond round-off.
+        pipeline: which Triton chunk pipeline runs (CUDA tensors; the PyTorch path computes the same function):
+            ``None`` (default): the plan's choice for the gate (``kdakit.ops.kda.plan.DEFAULT_PIPELINE``): the
+            64-token pipeline for the unbounded gates (softplus in kernel, a precomputed log-decay), the 16-token
+            one for the safe gate, and the 16-token one for ``return_intermediate_states``, ``chunk_size=16`` or a
+            ``checkpoint_every_n_tokens`` that is not a multiple of 64.
+            ``"windowed16"``: 16-token forward and windowed backward, peak within 1.10x of the memory floor
+            (slow with an unbounded gate); ``"chunk64"``: the 64-token pipeline, whose backward recomputes each
+            window of ``checkpoint_every_n_tokens`` tokens (default 1024); ``"chunk64_fast"``: the same with
             the forward's per-chunk intermediates kept for the backward (about 2.4 KB per token and value head
             at K = V = 128 in bf16; backward windows of ``checkpoint_every_n_tokens``, default 2048). The two
             64-token pipelines take any gate and strided token views (unit last stride), not
-            ``return_intermediate_states``. docs/perf_notes.md has their measured speed and memory.
+            ``return_intermediate_states``. ``kdakit.plan_kda(pipeline=..., gate=...)`` prices each one;
+            docs/perf_notes.md has their measured speed and memory.
         checkpoint_every_n_tokens: cadence of the state checkpoints saved for backward, a
-            positive multiple of 16 (and of ``chunk_size``); None lets the plan choose (see
-            ``kdakit.plan_kda``).
+            positive multiple of 16 (and of ``chunk_size``; of 64 on the 64-token pipelines, where it is the
+            backward's window); None lets the plan choose (see ``kdakit.plan_kda``).
         transpose_state_layout: FLA's deprecated name of ``state_v_first`` (warns).
         state_indices: int32 ``[N]`` rows of a state pool. With it, ``initial_state`` is the
             pool ``[P, HV, ...]``; row ``state_indices[n]`` is sequence n's initial state and
@@ -149,7 +154,6 @@ def chunk_kda(
     """
     if pipeline not in PIPELINES:
         raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
-    chunk64 = pipeline in ("chunk64", "chunk64_fast")
     if torch.compiler.is_compiling():
         # torch.compile traces the registered op torch.ops.kdakit.chunk_kda, not this Python (compiled.py)
         return chunk_kda_via_op(
@@ -173,11 +177,25 @@ def chunk_kda(
         state_v_first = bool(transpose_state_layout)
     if chunk_size is not None and chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+    requested = pipeline
+    if pipeline is None:
+        # an explicit chunk length, the prefix-cache states or a 16-token cadence name the pipeline that serves
+        # them; otherwise the plan's default for the gate
+        cadence16 = checkpoint_every_n_tokens is not None and not (
+            isinstance(checkpoint_every_n_tokens, int) and checkpoint_every_n_tokens > 0
+            and checkpoint_every_n_tokens % 64 == 0)  # (an invalid one is reported with the 16-token rule)
+        if chunk_size in (16, 32) or return_intermediate_states or cadence16:
+            pipeline = "windowed16"
+        elif chunk_size == 64:
+            pipeline = "chunk64"
+        else:
+            pipeline = resolve_pipeline(None, gate_kind(use_gate_in_kernel, safe_gate, lower_bound))
+    chunk64 = pipeline in ("chunk64", "chunk64_fast")
     if chunk64 and chunk_size not in (None, 64):
         raise ValueError(f"pipeline={pipeline!r} runs 64-token chunks: chunk_size must be None or 64, got {chunk_size}")
     if chunk64 and return_intermediate_states:
         raise ValueError(f"return_intermediate_states is served by pipeline=None or 'windowed16', got "
-                         f"pipeline={pipeline!r}")
+                         f"pipeline={requested!r}")
     if checkpoint_every_n_tokens is not None:
         unit = 64 if chunk64 else max(16, chunk_size or 16)
         if isinstance(checkpoint_every_n_tokens, bool) or not isinstance(checkpoint_every_n_tokens, int) \
@@ -192,7 +210,7 @@ def chunk_kda(
         raise ValueError("return_intermediate_states does not combine with cp_context, got both")
     if cp_context is not None:
         return chunk_kda_cp(
-            q, k, v, g, beta, local_op=functools.partial(chunk_kda, pipeline=pipeline), cp_context=cp_context, scale=scale, initial_state=initial_state,
+            q, k, v, g, beta, local_op=functools.partial(chunk_kda, pipeline=requested), cp_context=cp_context, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu, state_indices=state_indices, use_gate_in_kernel=use_gate_in_kernel,
             A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -227,12 +245,12 @@ def chunk_kda(
     tensors = dict(A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu_seqlens)
     backend = select_backend(q.device)
     if backend == "triton" and not chunk64 and chunk_size not in (None, 16):
-        raise ValueError(f"chunk_size={chunk_size} is for the PyTorch path; the Triton kernels use 16-token chunks "
-                         "(pass None or 16)")
+        raise ValueError(f"chunk_size={chunk_size} is for the PyTorch path; pipeline={pipeline!r} uses 16-token "
+                         "chunks (pass None or 16)")
     h = None
     if backend == "triton":
         if chunk64:
-            window = checkpoint_every_n_tokens or CHUNK64_WINDOW[pipeline]
+            window = chunk64_window(pipeline, checkpoint_every_n_tokens)
             o, final = chunk64_kda(q, k, v, g, beta, **tensors, opts=opts, window_tokens=window,
                                    keep_intermediates=pipeline == "chunk64_fast")
         elif return_intermediate_states:
