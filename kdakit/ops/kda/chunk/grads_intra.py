@@ -28,11 +28,15 @@ Numerics (FLA's decomposition):
   xq = op(q̂ exp(G - r_u)), xk = op(β k̂ exp(G - r_u)), ye = op(k̂ exp(r_u - G)) and add ``x ⊙ (dA ye)`` and
   ``-ye ⊙ (dA^T x)`` to dgs: every pair's two decay-gradient terms are products of the same factors, so the
   dgs rows sum to zero to fp32 accumulation rounding whatever the operand rounding (bf16 operands included);
-* the diagonal blocks: token-parallel (any gate; log-decays down to -110 per token), a loop over the 16 tokens m
-  of the sub-chunk with ``[16, BK]`` elementwise tiles, exp(G_i - G_m) for rows i > m (row side) and
-  exp(G_m - G_j) for rows j < m (column side) from one exponential of the same difference; with SAFE (the
-  log-decay is known to be >= -5 per token) by dots with the sub-chunk's middle row as reference (exponents
-  within +-40);
+* the diagonal blocks, per K block, by one of two paths chosen at run time from the sub-chunk's G tile (padded
+  rows as the row L - 1) and its reference row G_mid, mid = min(16 s + 8, L - 1):
+  - by dots with G_mid as reference, factors exp(G - G_mid) and exp(G_mid - G), when max |G - G_mid| over the
+    tile is <= DOT_SPAN_LIMIT = 40: the factors then stay within exp(+-40), the safe gate's envelope, and each
+    pair's product exp(G_i - G_j) <= 1 is formed from two factors of fp32 range. With SAFE (the log-decay is
+    known to be >= -5 per token) the bound holds by construction and the check is skipped;
+  - otherwise (large log-decays, down to -110 per token; a NaN fails the check) token-parallel: a loop over the
+    16 tokens m of the sub-chunk with ``[16, BK]`` elementwise tiles, exp(G_i - G_m) for rows i > m (row side)
+    and exp(G_m - G_j) for rows j < m (column side) from one exponential of the same difference;
 * P's diagonal (i = j, e_ii = 1) enters dqh and dkh as ``P_ii k̂_i`` and ``P_ii q̂_i`` and never dgs, where its
   two terms cancel exactly.
 
@@ -61,12 +65,20 @@ from kdakit.ops.kda.options import KDAOptions
 # launch config
 # ---------------------------------------------------------------------------------------
 
-# sm_90a at K = 128: 220-248 registers, no spills, for the four variants (SAFE x bf16 / fp32 operands); at 1 or
-# 2 warps the same [16, 32] tiles spill (the dots' operand layouts and the per-token vectors dominate, not the
-# tiles), and BK = 64 at 4 warps spills with fp32 operands.
+# sm_90a at K = 128: 245-255 registers, no spills, for the four variants (SAFE x bf16 / fp32 operands; without
+# SAFE the kernel holds both diagonal paths and the span check); at 1 warp the same [16, 32] tiles spill (the
+# dots' operand layouts and the per-token vectors dominate, not the tiles), and BK = 64 at 4 warps spills with
+# fp32 operands.
 GRADS_INTRA_NUM_WARPS = {"bf16": 2, "fp32": 4}  # by operand kind (fp32 operands spill at 2 warps)
 GRADS_INTRA_NUM_STAGES = 1
 GRADS_INTRA_BLOCK_K = 32  # K-loop step: the [16, BK] accumulators dq, dkr, dkt, dg live with the sub-chunk's G
+
+# The run-time check of the diagonal blocks (without SAFE): a K block whose |G - G_mid| stays <= 40 over the
+# sub-chunk's tile takes the dots, whose factors exp(G - G_mid) and exp(G_mid - G) then lie within exp(+-40): the
+# envelope of the safe gate (8 tokens x 5 per token on either side of the middle row), the one the SAFE dots use
+# and the GPU tier validates. Wider spans (and NaN, which fails the comparison) take the token-parallel loop.
+DOT_SPAN_LIMIT = 40.0
+DOT_SPAN_LIMIT_TL = tl.constexpr(DOT_SPAN_LIMIT)
 
 
 # ---------------------------------------------------------------------------------------
@@ -151,18 +163,23 @@ def _diag_exact(gc_b, q_b, k_b, rq_b, rk_b, bt_b, da_b, dk_b, G, r0, L, sqt, skt
 
 
 @triton.jit
-def _diag_safe(gc_b, da_b, dk_b, G, qh, kh, btv, r0, L, col0, scale,
-               K: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr,
-               OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The diagonal block by dots (bounded gate): reference = the sub-chunk's middle row (the last real row
-    when the chunk ends before it). Returns (dq, dkr, dkt, dg) ``[SUBC, BK]`` as _diag_exact plus the block's
-    decay gradient, formed from the rounded operands."""
-    cols = col0 + tl.arange(0, BK)
+def _dot_span_ok(G, gm):
+    """True when every entry of the ``[SUBC, BK]`` tile G lies within DOT_SPAN_LIMIT of the reference row gm
+    ``[BK]`` (a NaN fails: the comparison is false). A scalar."""
+    bad = tl.where(tl.abs(G - gm[None, :]) <= DOT_SPAN_LIMIT_TL, 0, 1)  # [SUBC, BK]
+    return tl.max(tl.max(bad, axis=1), axis=0) == 0
+
+
+@triton.jit
+def _diag_dots(da_b, dk_b, G, gm, qh, kh, btv, r0, L, scale,
+               C: tl.constexpr, SUBC: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    """The diagonal block by dots, with the reference row gm ``[BK]`` (G at the sub-chunk's middle row, the last
+    real row when the chunk ends before it), for a tile within DOT_SPAN_LIMIT of it. Returns (dq, dkr, dkt, dg)
+    ``[SUBC, BK]`` as _diag_exact plus the block's decay gradient, formed from the rounded operands."""
     a = tl.arange(0, SUBC)
     strict = a[:, None] > a[None, :]
     strict_t = a[:, None] < a[None, :]
-    mid = tl.minimum(r0 + SUBC // 2, L - 1)
-    gm = tl.load(gc_b + mid * K + cols, mask=cols < K, other=0.0)  # [BK]
     ef = tl.exp(G - gm[None, :])  # [SUBC, BK]
     eb = tl.exp(gm[None, :] - G)
     xq = dot_operand(qh * ef, OP_BF16, EMULATE_BF16)
@@ -216,6 +233,7 @@ def chunk_grads_intra_kernel(
     rmask = rows < L
     btv = load_row_scalars(bt_b, r0, L, 1, SUBC)  # [SUBC]
     pdiag = scale * tl.load(da_b + rows * (C + 1), mask=rmask, other=0.0)  # [SUBC] P_ii
+    mid = tl.minimum(r0 + SUBC // 2, L - 1)  # the diagonal dots' reference row
     db = tl.zeros([SUBC], dtype=tl.float32)
     for col0 in range(0, K, BK):
         cols = col0 + tl.arange(0, BK)
@@ -223,16 +241,19 @@ def chunk_grads_intra_kernel(
         mask = rmask[:, None] & (cols < K)[None, :]
         # ---- the diagonal block (strictly lower; P's diagonal is added to dqh / dkh below)
         G = _gate_rows(gc_b, r0, L, col0, K, SUBC, BK)  # [SUBC, BK]
+        gm = tl.load(gc_b + mid * K + cols, mask=cols < K, other=0.0)  # [BK] the dots' reference row
         if SAFE:
-            qh = _hat(q_b, rq_b, r0, L, sqt, col0, K, SUBC, BK)
-            kh = _hat(k_b, rk_b, r0, L, skt, col0, K, SUBC, BK)
-            dq, dkr, dkt, dg = _diag_safe(gc_b, da_b, dk_b, G, qh, kh, btv, r0, L, col0, scale,
-                                          K, C, SUBC, BK, OP_BF16, EMULATE_BF16, DOT_PREC)
+            dots = True  # the bound holds by construction (8 tokens x 5 on either side of the middle row)
+        else:
+            dots = _dot_span_ok(G, gm)
+        qh = _hat(q_b, rq_b, r0, L, sqt, col0, K, SUBC, BK)
+        kh = _hat(k_b, rk_b, r0, L, skt, col0, K, SUBC, BK)
+        if dots:
+            dq, dkr, dkt, dg = _diag_dots(da_b, dk_b, G, gm, qh, kh, btv, r0, L, scale,
+                                          C, SUBC, OP_BF16, EMULATE_BF16, DOT_PREC)
         else:
             dq, dkr, dkt = _diag_exact(gc_b, q_b, k_b, rq_b, rk_b, bt_b, da_b, dk_b, G, r0, L, sqt, skt, col0,
                                        scale, K, C, SUBC, BK)
-            qh = _hat(q_b, rq_b, r0, L, sqt, col0, K, SUBC, BK)
-            kh = _hat(k_b, rk_b, r0, L, skt, col0, K, SUBC, BK)
             dg = qh * dq + (kh * btv[:, None]) * dkr - kh * dkt
         # ---- row side below the diagonal blocks: columns j in sub-chunks t < s, reference G[r0]:
         # D1 = dA[rows, j] (k̂_j exp(G[r0] - G_j)), the two [SUBC, BK] sums over the earlier sub-chunks

@@ -2,12 +2,17 @@
 
 The kernel's increments to dqh, dkh, dgs, dbs (slots filled with random values first, subtracted after) are
 compared with float64 autograd of the two matrices as functions of q̂, k̂, G and β, per chunk and value head,
-for every gate's kind of G: safe (log-decays in [-5, 0], on the SAFE path and on the token-parallel one),
-softplus-like (down to -40 per token) and raw with -110 (the clamp value) entries. Shapes cover K = 24 / 32 /
+for every gate's kind of G: safe (log-decays in [-5, 0], on the SAFE path and without SAFE), softplus-like
+(down to -40 per token), raw with -110 (the clamp value) entries, large (below -41 at every sub-chunk's middle row)
+and mixed (large log-decays on some sub-chunks and key channels of each chunk, bounded ones elsewhere). Shapes cover K = 24 / 32 /
 100 (several K blocks), H = 1 and 2 with HV = 4, fixed-length B = 2 and packed sequences with short chunks and
 a zero-length sequence, q and k as strided views of one fused tensor, bf16 and fp32. Entries the kernel must
-not read (gc's padded rows, daqk / dakk above the diagonal and outside the chunk) hold NaN. An sm_90a build of
-every variant checks registers and spills.
+not read (gc's padded rows, daqk / dakk above the diagonal and outside the chunk) hold NaN.
+
+Without SAFE the diagonal blocks' path is chosen per (sub-chunk, K block) at run time (the span check): each
+case's tiles are classified by the same check here, and the kernel's tiles are compared with a run of the SAFE
+build (dots everywhere): bit-equal where the check passes, different where it fails, and every case has the mix
+of paths it was built for. An sm_90a build of every variant checks registers and spills.
 """
 
 import math
@@ -16,9 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdakit.ops.kda.chunk.grads_intra import run_grads_intra
+from kdakit.ops.kda.chunk.grads_intra import DOT_SPAN_LIMIT, GRADS_INTRA_BLOCK_K, run_grads_intra
+from kdakit.ops.kda.chunk_common import block_size
 from kdakit.ops.kda.chunk.plan import chunk_table, chunk_table_rows
-from kdakit.ops.kda.chunk.tiles import CHUNK
+from kdakit.ops.kda.chunk.tiles import CHUNK, SUB
 from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.validate import KDAShape
 
@@ -29,8 +35,8 @@ C = CHUNK
 
 def make_opts(H, HV, K, gate):
     """KDAOptions for a gate kind: 'safe' (lower_bound = -5: the SAFE path), 'softplus', 'raw', 'raw_safe'
-    (safe_gate=True with a raw log-decay: the SAFE path too), 'safe_exact' (a lower bound of -6: the token-parallel
-    path, on log-decays in [-5, 0])."""
+    (safe_gate=True with a raw log-decay: the SAFE path too), 'safe_exact' (a lower bound of -6: no SAFE, on
+    log-decays in [-5, 0]), 'large' and 'mixed' (raw log-decays, no SAFE)."""
     in_kernel = gate in ("safe", "softplus", "safe_exact")
     return KDAOptions(
         shape=KDAShape(B=1, T=C, H=H, HV=HV, K=K, V=K, N=1), scale=K ** -0.5, output_final_state=False,
@@ -44,6 +50,17 @@ def log_decay(kind, B, T, HV, K, gen):
     x = torch.randn(B, T, HV, K, generator=gen)
     if kind in ("safe", "raw_safe", "safe_exact"):
         return -5.0 * torch.sigmoid(2.0 * x)  # the lower-bound gate, in [-5, 0]
+    if kind == "large":
+        # [-5, 0] but below -41 at each sub-chunk's middle row: every full sub-chunk fails the span check
+        mid = (torch.arange(T) % SUB == SUB // 2)[:, None, None]
+        return torch.where(mid, -41.0 - 10.0 * torch.rand(B, T, HV, K, generator=gen), -5.0 * torch.sigmoid(2.0 * x))
+    if kind == "mixed":
+        # per chunk: sub-chunks 1 and 3 and key channels of the K blocks 1, 3 in [-36, -6], the rest in [-5, 0]
+        sub = (torch.arange(T) % C) // SUB
+        blk = torch.arange(K) // GRADS_INTRA_BLOCK_K
+        big = ((sub % 2 == 1)[:, None, None] & (blk % 2 == 1)[None, None, :]).expand(T, HV, K)
+        return torch.where(big, -6.0 - 30.0 * torch.rand(B, T, HV, K, generator=gen),
+                           -5.0 * torch.sigmoid(2.0 * x))
     if kind == "softplus":
         exp_a = 1.0 + 15.0 * torch.rand(HV, 1, generator=gen)  # exp(A_log) ~ U(1, 16)
         dt = torch.exp(math.log(1e-3) + (math.log(0.1) - math.log(1e-3)) * torch.rand(HV, K, generator=gen))
@@ -111,8 +128,11 @@ def reference(rows, q, k, gc, bt, rq, rk, daqk, dakk, scale, H, HV):
     return out
 
 
-def rel_err(x, ref):
-    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+def rel_err(x, ref, slot):
+    """Max error relative to the reference's max, less the resolution of the increment: it is read as the
+    difference of fp32 slot values, each rounded to half an ulp of the slot's value (``slot``, after the '+=')."""
+    err = ((x.double() - ref).abs() - 2.0 ** -23 * slot.double().abs()).clamp_min(0.0)
+    return (err.max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 CASES = [
@@ -122,6 +142,10 @@ CASES = [
     (1, 139, [70, 0, 64, 5], 2, 4, 24, torch.bfloat16, "safe"),
     (2, 70, None, 1, 2, 32, torch.float32, "raw_safe"),
     (1, 75, [5, 70], 1, 2, 100, torch.float32, "safe_exact"),
+    (1, 139, [70, 0, 64, 5], 1, 2, 32, torch.bfloat16, "safe_exact"),
+    (2, 70, None, 1, 2, 24, torch.float32, "large"),
+    (2, 70, None, 1, 2, 100, torch.float32, "mixed"),
+    (1, 75, [5, 70], 1, 2, 100, torch.bfloat16, "mixed"),
 ]
 
 
@@ -139,7 +163,7 @@ def test_grads_intra_matches_float64_autograd(B, T, seqlens, H, HV, K, dtype, ki
         for hv in range(HV):
             for j, name in enumerate(names):
                 inc = slots[j][i, hv, :L] - before[j][i, hv, :L]
-                err = rel_err(inc, ref[i][hv][j])
+                err = rel_err(inc, ref[i][hv][j], slots[j][i, hv, :L])
                 assert err < tol, f"{name} chunk {i} head {hv}: relative error {err:.2e}"
             # the pairwise terms of dG cancel over the chunk's rows (their sum over rows is exactly 0): to fp32
             # rounding, bf16 operands included (plus the rounding of the '+=' onto the slot's values)
@@ -150,6 +174,60 @@ def test_grads_intra_matches_float64_autograd(B, T, seqlens, H, HV, K, dtype, ki
     for j, name in enumerate(names):  # padded rows are not written
         for i, (_, _, _, L) in enumerate(rows):
             assert torch.equal(slots[j][i, :, L:], before[j][i, :, L:]), f"{name}: padded rows of chunk {i} written"
+
+
+def dot_tiles(rows, gc, HV, K):
+    """The kernel's span check per (chunk, value head, sub-chunk, K block) of the real sub-chunks: True where the
+    diagonal block takes the dots (|G - G_mid| <= DOT_SPAN_LIMIT over the tile, padded rows as the row L - 1,
+    mid = min(r0 + 8, L - 1); a NaN fails), in the kernel's fp32 arithmetic."""
+    BK = min(GRADS_INTRA_BLOCK_K, block_size(K))
+    out = {}
+    for i, (_, _, _, L) in enumerate(rows):
+        for s in range(C // SUB):
+            r0 = s * SUB
+            if r0 >= L:
+                continue
+            idx = torch.arange(r0, r0 + SUB).clamp(max=L - 1)
+            mid = min(r0 + SUB // 2, L - 1)
+            for hv in range(HV):
+                for c0 in range(0, K, BK):
+                    d = (gc[i, hv, idx, c0:c0 + BK] - gc[i, hv, mid, c0:c0 + BK]).abs()
+                    out[(i, hv, s, c0)] = bool((d <= DOT_SPAN_LIMIT).all())
+    return out, BK
+
+
+# each non-SAFE case and the paths its tiles must take: 'dots' (all), 'exact' (every full sub-chunk: the
+# token-parallel loop), 'both' (both paths within one chunk)
+PATH_CASES = [(c, {"safe_exact": "dots", "large": "exact", "raw": "exact"}.get(c[-1], "both")) for c in CASES
+              if c[-1] not in ("safe", "raw_safe")]
+
+
+@pytest.mark.parametrize("B,T,seqlens,H,HV,K,dtype,kind,expect", [c + (e,) for c, e in PATH_CASES])
+def test_grads_intra_takes_dots_where_the_span_check_passes(B, T, seqlens, H, HV, K, dtype, kind, expect):
+    """Without SAFE, a tile that passes the span check is bit-equal to the SAFE build's (dots everywhere), one that
+    fails differs from it (the token-parallel loop; float64 agreement is the test above)."""
+    rows, table, q, k, gc, bt, rq, rk, daqk, dakk, slots = make_case(B, T, seqlens, H, HV, K, dtype, kind, 7)
+    opts, opts_safe = make_opts(H, HV, K, kind), make_opts(H, HV, K, "raw_safe")
+    assert not opts.safe and opts_safe.safe and opts.scale == opts_safe.scale
+    twin = [x.clone() for x in slots]
+    run_grads_intra(opts, table, q, k, gc, bt, rq, rk, daqk, dakk, *slots)
+    run_grads_intra(opts_safe, table, q, k, gc, bt, rq, rk, daqk, dakk, *twin)
+    dots, BK = dot_tiles(rows, gc, HV, K)
+    for (i, hv, s, c0), ok in dots.items():
+        r = slice(s * SUB, min(s * SUB + SUB, rows[i][3]))
+        for j, name in enumerate(("dqh", "dkh", "dgs")):
+            same = torch.equal(slots[j][i, hv, r, c0:c0 + BK], twin[j][i, hv, r, c0:c0 + BK])
+            assert same == ok, f"{name} chunk {i} head {hv} sub-chunk {s} K block {c0}: dots expected {ok}"
+    per_chunk = {}
+    for (i, _, _, _), ok in dots.items():
+        per_chunk.setdefault(i, set()).add(ok)
+    if expect == "dots":
+        assert all(v == {True} for v in per_chunk.values()), per_chunk
+    elif expect == "exact":
+        full = [ok for (i, _, s, _), ok in dots.items() if s * SUB + SUB <= rows[i][3]]
+        assert full and not any(full), per_chunk
+    else:
+        assert any(v == {True, False} for v in per_chunk.values()), per_chunk
 
 
 def test_grads_intra_rejects_bad_arguments():
