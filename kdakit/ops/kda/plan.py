@@ -255,6 +255,8 @@ def gate_kind(use_gate_in_kernel: bool = False, safe_gate: bool = False, lower_b
         return "raw" if not opts.use_gate_in_kernel else ("safe" if opts.safe else "softplus")
     if not use_gate_in_kernel:
         return "raw"
+    if lower_bound is not None and not isinstance(lower_bound, (int, float)):
+        raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
     return "safe" if bool(safe_gate) or (lower_bound is not None and lower_bound >= -5.0) else "softplus"
 
 

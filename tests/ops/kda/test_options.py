@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+import kdakit.ops.kda.chunk.autograd as chunk64_autograd
 import kdakit.ops.kda.chunk_bwd as chunk_bwd
 import kdakit.ops.kda.chunk_bwd_windowed as chunk_bwd_windowed
 import kdakit.ops.kda.chunk_fwd as chunk_fwd
@@ -131,12 +132,31 @@ def test_chunk_launchers_take_the_one_object(monkeypatch, gate, H):
         _record(monkeypatch, module, name, seen)
     o, final = chunk_kda(*leaves, use_gate_in_kernel=gate, A_log=A_log if gate else None,
                          dt_bias=dt_bias if gate else None, lower_bound=-4.0 if gate else None,
-                         use_qk_l2norm_in_kernel=True, output_final_state=True)
+                         use_qk_l2norm_in_kernel=True, output_final_state=True, pipeline="windowed16")
     (o.sum() + final.sum()).backward()
     assert len(built) == 1, "the options are decided once per call"
     names = {n for n, _ in seen}
     assert names == {"chunk_kda_fwd", "chunk_kda_fwd_intra", "chunk_kda_bwd", "run_windowed"} | (
         {"run_lean_window_states"} if H == 2 else set())
+    assert all(opts is built[0] for _, opts in seen)
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_chunk64_stages_take_the_one_object(monkeypatch, gate):
+    monkeypatch.setenv("KDAKIT_BACKEND", "triton")
+    (q, k, v, g, beta), A_log, dt_bias = _inputs(T=70, H=2)
+    if not gate:
+        g = -torch.rand_like(g)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    built, seen = _count_builds(monkeypatch), []
+    for name in ("chunk_fwd", "chunk_bwd"):
+        _record(monkeypatch, chunk64_autograd, name, seen)
+    o, final = chunk_kda(*leaves, use_gate_in_kernel=gate, A_log=A_log if gate else None,
+                         dt_bias=dt_bias if gate else None, use_qk_l2norm_in_kernel=True,
+                         output_final_state=True, pipeline="chunk64")
+    (o.sum() + final.sum()).backward()
+    assert len(built) == 1, "the options are decided once per call"
+    assert [n for n, _ in seen] == ["chunk_fwd", "chunk_bwd"]
     assert all(opts is built[0] for _, opts in seen)
 
 
