@@ -11,7 +11,7 @@ h = hv // (HV // H)) and G the chunk cumsum of the log-decay (``gc``):
 The diagonal 16 x 16 blocks take one of two forms, chosen per (chunk, sub-chunk, value head) at run time by
 the **span check**: with G_mid = G at the sub-chunk's middle row mid = min(16 I + 8, L - 1), the sub-chunk
 passes when every key channel has |G - G_mid| <= DIAG_DOT_SPAN (40) on every row of the sub-chunk (padded rows
-count as row L - 1). G is non-increasing along the rows (log-decays <= 0, the premise of the off-diagonal blocks' bound
+count as row L - 1). G is non-increasing along the rows (log-decays <= 0, the premise of the strips' bound
 below too), so per channel the largest |G - G_mid| sits at the first or the last row: the check reads those two
 rows and mid. A NaN gate makes G NaN from its row on, up to the sub-chunk's last row, and a NaN compares false:
 such a sub-chunk fails. With SAFE (the gate is known to be >= -5 per token, so 8 tokens span at most 40) every
@@ -32,12 +32,14 @@ Kernels:
 
 * ``chunk_intra_diag_kernel`` (above), launched before the solve kernel unless SAFE.
 * ``chunk_intra_solve_kernel``, grid (n, HV): the six blocks strictly below the diagonal blocks of Aqk and
-  Akk by ``[16, 16]`` tensor-core dots, one row sub-chunk I = 1..3 at a time (its q, k, G tiles loaded and
-  scaled once per key block for all its blocks J < I; only 2 I accumulators live). With the reference
-  R_I = G[16 I - 1], the last row of sub-chunk I - 1, a block is ``(x_i exp(G_i - R_I)) (k̂_j exp(R_I - G_j))^T``:
-  both factors <= 1 for any gate (G is non-increasing along the rows). Then the diagonal blocks of the passing
-  sub-chunks by dots (Aqk's stored, Akk's kept in registers; a failing sub-chunk's Akk block is read from
-  akk_d), after the off-diagonal blocks so that their tiles are not live together. Then Tinv: the four diagonal blocks ``(I + diag(bt) Akk_II)^-1`` by
+  Akk by tensor-core dots, as three column strips ``[64, 16]`` (M = 64 spreads a dot over the warps; a
+  16-row dot is replicated in every warp). Strip J holds the blocks (I, J), I > J, with the reference
+  ``ref_J = G[16 J + 15]``, the last row of sub-chunk J: ``(x_i exp(G_i - ref_J)) (k̂_j exp(ref_J - G_j))^T``,
+  both factors <= 1 for any gate (G is non-increasing along the rows); the row factor is formed once per key
+  block as ``exp(G_i - R_i)`` (R_i = G at the last row before row i's sub-chunk) times the per-sub-chunk
+  vector ``exp(R_i - ref_J) <= 1``. Then the diagonal blocks of the passing sub-chunks by dots (Aqk's stored,
+  Akk's kept in registers; a failing sub-chunk's Akk block is read from akk_d), after the strips so that
+  their tiles are not live together. Then Tinv: the four diagonal blocks ``(I + diag(bt) Akk_II)^-1`` by
   forward substitution on rows of those Akk blocks, the off-diagonal blocks by block substitution
   ``T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ`` (A = diag(bt) Akk) with fp32 dots. It stores aqk's blocks below
   and above the diagonal blocks (zeros above) and the whole of tinv (exact zeros above the diagonal; padded
@@ -74,10 +76,10 @@ DIAG_NUM_WARPS = 1
 SOLVE_BLOCK_K = 32  # key channels per step of the off-diagonal dots, 16-bit inputs (bf16 operands)
 SOLVE_BLOCK_K_FP32 = 16  # fp32 inputs (3xTF32 operands: 32 takes 238 sm_90a registers, 16 takes 180)
 SOLVE_NUM_WARPS = {"bf16": 2, "fp32": 4}  # by operand kind
-SOLVE_NUM_STAGES = 1
-# Both operand kinds build spill-free at these warps (sm_90a ptxas, either SAFE variant); at 1 warp the bf16
-# build spills, at BLOCK_K 64 every warp count does.
-SOLVE_SPILL_BUDGET = {"bf16": 0, "fp32": 0}  # bytes of spill stores + loads the build test allows
+# The bf16 solve kernel keeps a small spill at 2 warps (sm_90a ptxas: ~300 B; the diagonal blocks' dots, formed
+# after the strips, do not raise it by more than a few dozen bytes in either SAFE variant): measured on the H200
+# the 2-warp build was faster than the spill-free 4-warp one (docs/perf_notes.md, "Launch configs").
+SOLVE_SPILL_BUDGET = {"bf16": 340, "fp32": 0}  # bytes of spill stores + loads the build test allows
 
 
 def solve_block_k(op_bf16: bool, BK: int) -> int:
@@ -122,7 +124,7 @@ def _store_block(base, x, I: tl.constexpr, J: tl.constexpr, C: tl.constexpr, SB:
 def _col_operand(k_base, g_base, rk_base, ref, ROW0: tl.constexpr, L, skt, c0, K: tl.constexpr,
                  SB: tl.constexpr, BK: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """Column sub-chunk ROW0 // SB as the right operand: ``(k̂_J exp(ref - G_J))^T`` ``[BK, SB]``, ref = G at
-    a row at or after the sub-chunk's last (factors <= 1)."""
+    the sub-chunk's last row (factors <= 1)."""
     g = _load_tile(g_base, ROW0, ROW0 + SB, K, c0, K, SB, BK)  # [SB, BK]
     rk_j = load_row_scalars(rk_base, ROW0, L, 1, SB)  # [SB]
     y = _load_tile(k_base, ROW0, L, skt, c0, K, SB, BK) * rk_j[:, None] * tl.exp(ref[None, :] - g)
@@ -130,40 +132,22 @@ def _col_operand(k_base, g_base, rk_base, ref, ROW0: tl.constexpr, L, skt, c0, K
 
 
 @triton.jit
-def _offdiag_row(q_base, k_base, g_base, rq_base, rk_base, L, sqt, skt, I: tl.constexpr, K: tl.constexpr,
-                 SB: tl.constexpr, BK: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
-    """Blocks (I, J), J < I, of Aqk / scale and Akk, fp32 ``[SB, SB]`` each, as (aq_I0, ak_I0, aq_I1, ak_I1,
-    aq_I2, ak_I2) (zeros for J >= I). With R = G at row 16 I - 1 (the last row of sub-chunk I - 1) a block is
-    ``(x_I exp(G_I - R)) (k̂_J exp(R - G_J))^T``: both factors <= 1 for any gate, G being non-increasing along
-    the rows. The row sub-chunk's tiles are loaded and scaled once per key block for its I pairs."""
-    r0 = SB * I
-    rq_i = load_row_scalars(rq_base, r0, L, 1, SB)  # [SB]
-    rk_i = load_row_scalars(rk_base, r0, L, 1, SB)
-    aq0 = tl.zeros([SB, SB], dtype=tl.float32)
-    ak0 = tl.zeros([SB, SB], dtype=tl.float32)
-    aq1 = tl.zeros([SB, SB], dtype=tl.float32)
-    ak1 = tl.zeros([SB, SB], dtype=tl.float32)
-    aq2 = tl.zeros([SB, SB], dtype=tl.float32)
-    ak2 = tl.zeros([SB, SB], dtype=tl.float32)
-    for c0 in range(0, K, BK):
-        c = c0 + tl.arange(0, BK)
-        ref = tl.load(g_base + (r0 - 1) * K + c, mask=c < K, other=0.0)  # [BK] R
-        e = tl.exp(_load_tile(g_base, r0, r0 + SB, K, c0, K, SB, BK) - ref[None, :])  # [SB, BK] <= 1
-        x_q = dot_operand(_load_tile(q_base, r0, L, sqt, c0, K, SB, BK) * rq_i[:, None] * e, OP_BF16, EMULATE_BF16)
-        x_k = dot_operand(_load_tile(k_base, r0, L, skt, c0, K, SB, BK) * rk_i[:, None] * e, OP_BF16, EMULATE_BF16)
-        y = _col_operand(k_base, g_base, rk_base, ref, 0, L, skt, c0, K, SB, BK, OP_BF16, EMULATE_BF16)
-        aq0 = tl.dot(x_q, y, acc=aq0, input_precision=DOT_PREC)
-        ak0 = tl.dot(x_k, y, acc=ak0, input_precision=DOT_PREC)
-        if I >= 2:
-            y = _col_operand(k_base, g_base, rk_base, ref, SB, L, skt, c0, K, SB, BK, OP_BF16, EMULATE_BF16)
-            aq1 = tl.dot(x_q, y, acc=aq1, input_precision=DOT_PREC)
-            ak1 = tl.dot(x_k, y, acc=ak1, input_precision=DOT_PREC)
-        if I >= 3:
-            y = _col_operand(k_base, g_base, rk_base, ref, 2 * SB, L, skt, c0, K, SB, BK, OP_BF16, EMULATE_BF16)
-            aq2 = tl.dot(x_q, y, acc=aq2, input_precision=DOT_PREC)
-            ak2 = tl.dot(x_k, y, acc=ak2, input_precision=DOT_PREC)
-    return aq0, ak0, aq1, ak1, aq2, ak2
+def _store_strip(base, x, J: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, ROUND: tl.constexpr):
+    """Rows ``>= SB (J + 1)`` of column strip J ``[C, SB]`` into columns ``SB J + [0, SB)`` of a ``[C, C]`` slot."""
+    r = tl.arange(0, C)
+    cc = tl.arange(0, SB)
+    ptrs = base + r[:, None] * C + (SB * J + cc)[None, :]
+    tl.store(ptrs, round_to_bf16_if(x, ROUND).to(base.dtype.element_ty), mask=(r >= SB * (J + 1))[:, None])
+
+
+@triton.jit
+def _row_blocks(x, SB: tl.constexpr):
+    """The four ``[SB, SB]`` row blocks of a ``[4 SB, SB]`` strip."""
+    y = tl.permute(tl.reshape(x, (2, 2, SB, SB)), (2, 3, 0, 1))  # [SB, SB, 2, 2], block 2 a + b at [.., a, b]
+    even, odd = tl.split(y)  # b = 0, 1
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
 
 
 @triton.jit
@@ -331,33 +315,66 @@ def chunk_intra_solve_kernel(
     g_base = gc + slot * (C * K)
     rq_base = rq + (i.to(tl.int64) * H + h) * C
     rk_base = rk + (i.to(tl.int64) * H + h) * C
+    rows = tl.arange(0, C)
+    sub = (rows // SB)[:, None]  # [C, 1] row sub-chunk I
+    m_rows = rows < L
+    rqs = tl.load(rq_base + rows, mask=m_rows, other=0.0)  # [C]
+    rks = tl.load(rk_base + rows, mask=m_rows, other=0.0)
+    ref_rows = tl.maximum(rows // SB * SB - 1, 0)  # [C] the last row of sub-chunk I - 1 (row 0 for I = 0)
 
-    # the blocks below the diagonal blocks, row sub-chunk by row sub-chunk (docstring: references <= 1)
-    aq10, ak10, _, _, _, _ = _offdiag_row(q_base, k_base, g_base, rq_base, rk_base, L, sqt, skt, 1, K, SB, BK,
-                                          OP_BF16, EMULATE_BF16, DOT_PREC)
-    aq20, ak20, aq21, ak21, _, _ = _offdiag_row(q_base, k_base, g_base, rq_base, rk_base, L, sqt, skt, 2, K, SB,
-                                                BK, OP_BF16, EMULATE_BF16, DOT_PREC)
-    aq30, ak30, aq31, ak31, aq32, ak32 = _offdiag_row(q_base, k_base, g_base, rq_base, rk_base, L, sqt, skt, 3, K,
-                                                      SB, BK, OP_BF16, EMULATE_BF16, DOT_PREC)
+    # the off-diagonal blocks as column strips: strip J [C, SB] holds blocks (I, J), I > J, in rows >= 16 (J + 1);
+    # with ref_J = G[16 (J + 1) - 1] (the last row of sub-chunk J) a block is
+    # (x_I exp(G_I - ref_J)) (k̂_J exp(ref_J - G_J))^T, both factors <= 1; the row factor is formed as
+    # exp(G_i - R_i) exp(R_i - ref_J), R_i = G at the last row before row i's sub-chunk (R_i - ref_J <= 0)
+    q0 = tl.zeros([C, SB], dtype=tl.float32)
+    q1 = tl.zeros([C, SB], dtype=tl.float32)
+    q2 = tl.zeros([C, SB], dtype=tl.float32)
+    k0 = tl.zeros([C, SB], dtype=tl.float32)
+    k1 = tl.zeros([C, SB], dtype=tl.float32)
+    k2 = tl.zeros([C, SB], dtype=tl.float32)
+    for c0 in range(0, K, BK):
+        c = c0 + tl.arange(0, BK)
+        m_c = c < K
+        g_rows = _load_tile(g_base, 0, C, K, c0, K, C, BK)  # [C, BK]
+        g_ref = tl.load(g_base + ref_rows[:, None] * K + c[None, :], mask=m_c[None, :], other=0.0)  # [C, BK] R_i
+        e_rows = tl.exp(g_rows - g_ref)  # <= 1
+        x_q = _load_tile(q_base, 0, L, sqt, c0, K, C, BK) * rqs[:, None] * e_rows  # [C, BK]
+        x_k = _load_tile(k_base, 0, L, skt, c0, K, C, BK) * rks[:, None] * e_rows
+        ref1 = tl.load(g_base + (SB - 1) * K + c, mask=m_c, other=0.0)  # [BK]
+        ref2 = tl.load(g_base + (2 * SB - 1) * K + c, mask=m_c, other=0.0)
+        ref3 = tl.load(g_base + (3 * SB - 1) * K + c, mask=m_c, other=0.0)
+        d21 = tl.exp(ref2 - ref1)[None, :]  # [1, BK] exp(R_i - ref_J) of rows in sub-chunk I
+        d31 = tl.exp(ref3 - ref1)[None, :]
+        d32 = tl.exp(ref3 - ref2)[None, :]
+
+        # strip 0: rows of sub-chunks 1..3 against columns 0..15
+        f = tl.where(sub == 1, 1.0, tl.where(sub == 2, d21, d31))
+        f = tl.where(sub >= 1, f, 0.0)  # [C, BK]
+        y = _col_operand(k_base, g_base, rk_base, ref1, 0, L, skt, c0, K, SB, BK, OP_BF16, EMULATE_BF16)
+        q0 += tl.dot(dot_operand(x_q * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
+        k0 += tl.dot(dot_operand(x_k * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
+        # strip 1: rows of sub-chunks 2..3 against columns 16..31
+        f = tl.where(sub == 2, 1.0, tl.where(sub == 3, d32, 0.0))
+        y = _col_operand(k_base, g_base, rk_base, ref2, SB, L, skt, c0, K, SB, BK, OP_BF16, EMULATE_BF16)
+        q1 += tl.dot(dot_operand(x_q * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
+        k1 += tl.dot(dot_operand(x_k * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
+        # strip 2: rows of sub-chunk 3 against columns 32..47
+        f = tl.where(sub == 3, 1.0, 0.0)
+        y = _col_operand(k_base, g_base, rk_base, ref3, 2 * SB, L, skt, c0, K, SB, BK, OP_BF16, EMULATE_BF16)
+        q2 += tl.dot(dot_operand(x_q * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
+        k2 += tl.dot(dot_operand(x_k * f, OP_BF16, EMULATE_BF16), y, input_precision=DOT_PREC)
+
     aqk_base = aqk + slot * (C * C)
-    _store_block(aqk_base, aq10 * scale, 1, 0, C, SB, ROUND)
-    _store_block(aqk_base, aq20 * scale, 2, 0, C, SB, ROUND)
-    _store_block(aqk_base, aq21 * scale, 2, 1, C, SB, ROUND)
-    _store_block(aqk_base, aq30 * scale, 3, 0, C, SB, ROUND)
-    _store_block(aqk_base, aq31 * scale, 3, 1, C, SB, ROUND)
-    _store_block(aqk_base, aq32 * scale, 3, 2, C, SB, ROUND)
+    _store_strip(aqk_base, q0 * scale, 0, C, SB, ROUND)
+    _store_strip(aqk_base, q1 * scale, 1, C, SB, ROUND)
+    _store_strip(aqk_base, q2 * scale, 2, C, SB, ROUND)
 
     # A = diag(bt) Akk: the off-diagonal blocks
     bt_base = bt + slot * C
-    b1 = load_row_scalars(bt_base, SB, C, 1, SB)[:, None]  # [SB, 1] bt of row sub-chunk 1
-    b2 = load_row_scalars(bt_base, 2 * SB, C, 1, SB)[:, None]
-    b3 = load_row_scalars(bt_base, 3 * SB, C, 1, SB)[:, None]
-    a10 = ak10 * b1
-    a20 = ak20 * b2
-    a21 = ak21 * b2
-    a30 = ak30 * b3
-    a31 = ak31 * b3
-    a32 = ak32 * b3
+    bts = tl.load(bt_base + rows)[:, None]  # [C, 1]
+    _, a10, a20, a30 = _row_blocks(k0 * bts, SB)
+    _, _, a21, a31 = _row_blocks(k1 * bts, SB)
+    _, _, _, a32 = _row_blocks(k2 * bts, SB)
 
     # zeros above the diagonal blocks
     zero = tl.zeros([SB, SB], dtype=tl.float32)
@@ -494,5 +511,5 @@ def run_intra(opts, table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv) -> None:
         table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv, opts.scale, *strides, H, HV,
         K=K, BK=solve_block_k(op_bf16, BK), C=C, SB=SUB, OP_BF16=op_bf16, EMULATE_BF16=op_bf16 and interp,
         DOT_PREC=dot_precision(q.dtype), INV_PREC=dot_precision(torch.float32), ROUND=round_out, SAFE=safe,
-        num_warps=SOLVE_NUM_WARPS["bf16" if op_bf16 else "fp32"], num_stages=SOLVE_NUM_STAGES,
+        num_warps=SOLVE_NUM_WARPS["bf16" if op_bf16 else "fp32"], num_stages=1,
     )
