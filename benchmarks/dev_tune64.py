@@ -26,7 +26,9 @@ VARIANTS = {
                                        {"WALK_FWD_BLOCK_V": {"bf16": 128, "fp32": 16}, "WALK_FWD_WARPS": 8}]),
     "chunk_intra_diag_kernel": ("intra", [{}, {"DIAG_BLOCK_H": 16, "DIAG_NUM_WARPS": 4},
                                           {"DIAG_BLOCK_H": 8, "DIAG_NUM_WARPS": 1}]),
-    "chunk_intra_solve_kernel": ("intra", [{}, {"SOLVE_NUM_WARPS": {"bf16": 4, "fp32": 4}}, {"SOLVE_BLOCK_K": 64}]),
+    "chunk_intra_solve_kernel": ("intra", [{}, {"SOLVE_CONFIG": {"bf16": (16, 1, 2), "fp32": (16, 2, 1)}},
+                                           {"SOLVE_CONFIG": {"bf16": (32, 1, 1), "fp32": (16, 2, 1)}}]),
+    "chunk_intra_dots_kernel": ("intra", [{}, {"DOTS_CONFIG": {"bf16": (32, 1), "fp32": (32, 2)}}]),
     "chunk_wu_kernel": ("prep", [{}, {"WU_CONFIG": {"bf16": (64, 4), "fp32": (32, 4)}}]),
     "chunk_walk_bwd_kernel": ("walk", [{}, {"WALK_BWD_WARPS": 2}, {"WALK_BWD_BLOCK_V": {"bf16": 64, "fp32": 16}}]),
     "chunk_grads_wy_kernel": ("grads", [

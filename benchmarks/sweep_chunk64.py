@@ -30,7 +30,7 @@ from dev_chunk64 import kdakit64, make_inputs, timing  # noqa: E402
 # name -> [(module, attribute, value)]
 VARIANTS = {
     "base": [],
-    "solve_w4": [(intra, "SOLVE_NUM_WARPS", {"bf16": 4, "fp32": 4})],
+    "solve_bk16": [(intra, "SOLVE_CONFIG", {"bf16": (16, 1, 2), "fp32": (16, 2, 1)})],
     "diag_bh4": [(intra, "DIAG_BLOCK_H", 4)],
     "diag_bh8": [(intra, "DIAG_BLOCK_H", 8)],
     "diag_w2": [(intra, "DIAG_NUM_WARPS", 2)],
