@@ -65,7 +65,8 @@ def layer_rows(paths: list[str], variant: str) -> list[dict]:
 # its forward cumsum of a precomputed log-decay)
 COUNTERPARTS = {
     "chunk_prep_kernel": ["kda_gate_chunk_cumsum_vector_kernel", "l2norm_fwd_kernel", "fused_beta_sigmoid_fwd_kernel"],
-    "chunk_intra_diag_kernel": ["chunk_kda_fwd_kernel_intra_token_parallel", "chunk_kda_fwd_kernel_intra_sub_chunk"],
+    "chunk_intra_diag_kernel+chunk_intra_dots_kernel": ["chunk_kda_fwd_kernel_intra_token_parallel",
+                                                        "chunk_kda_fwd_kernel_intra_sub_chunk"],
     "chunk_intra_solve_kernel": ["chunk_kda_fwd_kernel_inter_solve_fused"],
     "chunk_wu_kernel": ["recompute_w_u_fwd_kda_kernel"],
     "chunk_walk_fwd_kernel": ["chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "chunk_gla_fwd_kernel_o"],
