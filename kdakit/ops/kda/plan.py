@@ -46,8 +46,8 @@ from typing import Sequence
 
 import torch
 
-from kdakit.ops.kda.plan_chunk64 import (CHUNK64, chunk64_backward_slots, chunk64_forward_slots, chunk64_step,
-                                        chunk64_windows)
+from kdakit.ops.kda.plan_chunk64 import (CHUNK64, chunk64_backward_slots, chunk64_forward_groups,
+                                        chunk64_forward_slots, chunk64_step, chunk64_window_rows, chunk64_windows)
 
 CHUNK_SIZE = 16
 DEFAULT_CHECKPOINT_TOKENS = 2048
@@ -148,6 +148,7 @@ class KDAPlan:
     window_tokens: int = 0  # the 64-token pipelines' window (0 for windowed16)
     num_windows: int = 0
     max_slots: int = 0  # rows of the 64-token pipelines' window scratch (chunk.plan.ChunkPlan.max_slots)
+    forward_slots: int = 0  # rows of their forward's scratch (chunk.plan.ChunkPlan.forward_slots; fast: every chunk)
 
     @property
     def workspace_bytes(self) -> int:
@@ -636,11 +637,14 @@ def _plan_chunk64(pipeline, gate, B, T, H, HV, K, V, dtype, g_dtype, lengths, va
     N = len(lengths)
     keep = pipeline == "chunk64_fast"
     n_rows, n_windows, max_slots, nonempty = chunk64_windows(lengths, window)
+    _, forward_slots = chunk64_forward_groups(chunk64_window_rows(lengths, window), B=B, T=T, H=H, HV=HV, K=K,
+                                              V=V, dtype=dtype, g_dtype=g_dtype)
     allocs, events, add, free = _recorder()
     _caller_tensors(add, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, dtype=dtype, g_dtype=g_dtype, varlen=varlen,
                     gate_params=gate_params, initial_state=initial_state, initial_state_dtype=initial_state_dtype)
     scratch = chunk64_step(add, free, events, pipeline=pipeline, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, dtype=dtype,
                            g_dtype=g_dtype, n_rows=n_rows, n_windows=n_windows, max_slots=max_slots,
+                           forward_slots=forward_slots,
                            nonempty=nonempty, initial_state=initial_state, initial_state_dtype=initial_state_dtype,
                            output_final_state=output_final_state, gate_params=gate_params)
     f32 = torch.float32
@@ -665,6 +669,7 @@ def _plan_chunk64(pipeline, gate, B, T, H, HV, K, V, dtype, g_dtype, lengths, va
         predicted_peak_bytes=peak, peak_at=peak_at, events=tuple(events), checkpoint_dtype=f32,
         allocations=tuple(allocs), num_chunks=n_rows, pipeline=pipeline, gate=gate, g_dtype=g_dtype,
         window_tokens=window, num_windows=n_windows, max_slots=max_slots,
+        forward_slots=n_rows if keep else forward_slots,
     )
 
 

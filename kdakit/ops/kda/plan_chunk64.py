@@ -14,21 +14,75 @@ CHUNK64 = 64
 def chunk64_windows(lengths: Sequence[int], window_tokens: int) -> tuple[int, int, int, int]:
     """``(n_chunks, n_windows, max_slots, nonempty windows)`` of the chunk plan (``chunk.plan.make_chunk_plan``):
     window w holds chunks ``[w * wc, (w + 1) * wc)`` of every sequence; max_slots is the largest window's row count."""
+    rows = chunk64_window_rows(lengths, window_tokens)
+    return sum(rows), len(rows), max(rows), sum(1 for r in rows if r)
+
+
+def chunk64_window_rows(lengths: Sequence[int], window_tokens: int) -> list[int]:
+    """Each window's row count in the chunk plan (``chunk.plan.make_chunk_plan``)."""
     counts = [-(-int(n) // CHUNK64) for n in lengths]
-    most = max(counts, default=0)
     wc = window_tokens // CHUNK64
-    n_windows = max(-(-most // wc), 1)
-    rows = [sum(max(min((w + 1) * wc, c) - w * wc, 0) for c in counts) for w in range(n_windows)]
-    return sum(counts), n_windows, max(rows), sum(1 for r in rows if r)
+    n_windows = max(-(-max(counts, default=0) // wc), 1)
+    return [sum(max(min((w + 1) * wc, c) - w * wc, 0) for c in counts) for w in range(n_windows)]
 
 
-def chunk64_forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype) -> list:
+def _bytes(slots: list) -> int:
+    total = 0
+    for _, shape, dt in slots:
+        n = dt.itemsize
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def chunk64_forward_groups(window_rows: Sequence[int], *, B: int, T: int, H: int, HV: int, K: int, V: int,
+                           dtype: torch.dtype, g_dtype: torch.dtype) -> tuple[tuple[tuple[int, int], ...], int]:
+    """The recomputing forward's groups of consecutive windows, ``(((w0, w1), ...), the largest group's rows)``.
+
+    The forward runs its state-independent stages (prep, intra, wu) once per group, over every row of the
+    group's windows, and then walks the group window by window (each window's checkpoint is the state entering
+    it). Larger groups mean fewer, fuller launches. The forward's slots are free memory up to what the
+    backward holds at its peak and the forward does not: the backward's own slots of the largest window and
+    the five token gradients. A group's rows stay within ``max_slots + (backward slots + gradients) / forward
+    bytes a row``, so the forward's slots never exceed the backward's scratch plus the gradients, and the
+    forward does not set the step's peak; of the fewest groups that fit, the rows are spread as evenly as the
+    windows allow."""
+    max_slots = max(window_rows, default=0)
+    per_row = _bytes(chunk64_forward_slots(1, H, HV, K, V, dtype, states=False))
+    bwd = _bytes(chunk64_backward_slots(max_slots, HV, K, V, dtype))
+    grads = B * T * (2 * H * K * dtype.itemsize + HV * K * g_dtype.itemsize + HV * V * dtype.itemsize
+                     + HV * dtype.itemsize)
+    cap = max_slots + (bwd + grads) // per_row
+    # the fewest groups that fit, then as even as the windows allow (smaller slots for the same launches)
+    fewest = len(_greedy_groups(window_rows, cap))
+    target = max(-(-sum(window_rows) // fewest), max_slots)
+    while len(groups := _greedy_groups(window_rows, target)) > fewest:
+        target += 1
+    largest = max(sum(window_rows[w0:w1]) for w0, w1 in groups)
+    return groups, largest
+
+
+def _greedy_groups(window_rows: Sequence[int], cap: int) -> tuple[tuple[int, int], ...]:
+    """Consecutive windows, each group filled while its rows stay <= cap (a window alone may exceed it)."""
+    groups, start, rows = [], 0, 0
+    for w, n in enumerate(window_rows):
+        if w > start and rows + n > cap:
+            groups.append((start, w))
+            start, rows = w, 0
+        rows += n
+    groups.append((start, len(window_rows)))
+    return tuple(groups)
+
+
+def chunk64_forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, states: bool = True) -> list:
     """``(name, shape, dtype)`` of ``chunk.forward.forward_slots`` for n rows, in its order."""
     f32, C = torch.float32, CHUNK64
-    return [("gc", (n, HV, C, K), f32), ("bt", (n, HV, C), f32), ("rq", (n, H, C), f32), ("rk", (n, H, C), f32),
-            ("aqk", (n, HV, C, C), dtype), ("akk_d", (n, HV, C, 16), f32), ("tinv", (n, HV, C, C), dtype),
-            ("w", (n, HV, C, K), dtype), ("qg", (n, HV, C, K), dtype), ("kd", (n, HV, C, K), dtype),
-            ("u", (n, HV, C, V), dtype), ("h", (n, HV, K, V), dtype)]
+    slots = [("gc", (n, HV, C, K), f32), ("bt", (n, HV, C), f32), ("rq", (n, H, C), f32), ("rk", (n, H, C), f32),
+             ("aqk", (n, HV, C, C), dtype), ("akk_d", (n, HV, C, 16), f32), ("tinv", (n, HV, C, C), dtype),
+             ("w", (n, HV, C, K), dtype), ("qg", (n, HV, C, K), dtype), ("kd", (n, HV, C, K), dtype),
+             ("u", (n, HV, C, V), dtype)]
+    return slots + [("h", (n, HV, K, V), dtype)] if states else slots
 
 
 def chunk64_backward_slots(n: int, HV: int, K: int, V: int, dtype: torch.dtype) -> list:
@@ -41,7 +95,7 @@ def chunk64_backward_slots(n: int, HV: int, K: int, V: int, dtype: torch.dtype) 
 
 
 def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_dtype, n_rows, n_windows,
-                 max_slots, nonempty, initial_state, initial_state_dtype, output_final_state,
+                 max_slots, forward_slots, nonempty, initial_state, initial_state_dtype, output_final_state,
                  gate_params) -> list[str]:
     """The step after the caller's tensors, allocation by allocation in program order (``chunk64_kda``), through
     ``add`` / ``free`` / ``events`` (``plan._recorder``); returns the names of the backward's scratch.
@@ -51,7 +105,8 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
       calls, so they are live through every step (allocated first here, never freed);
     * forward (``chunk_fwd``): o; the fp32 state carry (zeros, or the initial state's fp32 copy: a bf16 state
       goes through an fp32 cast first); ``chunk64``: the fp32 checkpoints ``[windows, N, HV, K, V]`` (saved) and
-      the slots of the largest window (freed at return); ``chunk64_fast``: the slots of every chunk (saved: the
+      the slots of the largest group of windows (``chunk64_forward_groups``; no per-chunk states; freed at
+      return); ``chunk64_fast``: the slots of every chunk (saved: the
       backward reads them, ``ctx.kept``). The carry is the final state when one is returned, else freed;
     * backward (``chunk_bwd``): dq, dk, dg, dv, dbeta; ``chunk64``: the forward slots again (one window); the
       backward slots (one window); dA_log ``[HV]`` and ddt_bias ``[HV, K]`` (fp32, zeros); the fp32 dS carry
@@ -80,8 +135,8 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
         add(carry, state, f32, carry_group, "forward")
     if not keep:
         add("checkpoints", (n_windows,) + state, f32, "state checkpoints", "saved")
-    fwd_slots = ["fwd_" + name for name, _, _ in chunk64_forward_slots(0, H, HV, K, V, dtype)]
-    for name, shape, dt in chunk64_forward_slots(n_rows if keep else max_slots, H, HV, K, V, dtype):
+    fwd_slots = ["fwd_" + name for name, _, _ in chunk64_forward_slots(0, H, HV, K, V, dtype, states=keep)]
+    for name, shape, dt in chunk64_forward_slots(n_rows if keep else forward_slots, H, HV, K, V, dtype, states=keep):
         if keep:
             add("fwd_" + name, shape, dt, "saved forward activations", "saved")
         else:

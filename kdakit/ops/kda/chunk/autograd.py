@@ -61,7 +61,8 @@ def chunk64_kda(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, 
     seqlens = None
     if cu_seqlens is not None:
         seqlens = list(opts.shape.seqlens) if opts.shape.seqlens is not None else sequence_lengths(1, 0, cu_seqlens)
-    plan = make_chunk_plan(q.shape[0], q.shape[1], seqlens, q.device, window_tokens)
+    plan = make_chunk_plan(q.shape[0], q.shape[1], seqlens, q.device, window_tokens,
+                           slot_geometry=(q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype, g.dtype))
     # without a backward to come (inference, torch.no_grad, no input needing a gradient) nothing is kept
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias, initial_state))

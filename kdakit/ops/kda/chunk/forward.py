@@ -3,8 +3,10 @@ stages (prep, intra, wu) in parallel over the window's chunks and value heads, t
 carries each sequence's state from window to window and writes o.
 
 Saved for the backward: the state entering every window (``checkpoints``, fp32 ``[n_windows, N, HV, K, V]``);
-the backward recomputes a window's intermediates from it. Scratch (the slot tensors) is sized by the largest
-window and reused by every window. With ``keep=True`` (the plan's fast workspace) the slots are sized by the
+the backward recomputes a window's intermediates from it. The forward runs its state-independent stages once
+per group of consecutive windows (``ChunkPlan.forward_groups``: as many as fit in the memory the backward's
+scratch and gradients will need anyway), then walks the group's windows one by one; its scratch (the slot
+tensors) is sized by the largest group and reused by every group. With ``keep=True`` (the plan's fast workspace) the slots are sized by the
 whole call instead, each window writes its own rows, and the backward reads them instead of recomputing
 (about 2.4 KB per token and value head at K = V = 128 in bf16).
 """
@@ -21,10 +23,11 @@ from kdakit.ops.kda.chunk.walk import run_walk_fwd
 from kdakit.ops.kda.options import KDAOptions
 
 
-def forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, device) -> dict:
-    """The forward's slot tensors for a window of n chunks (docs/chunk_pipeline.md, "Slot tensors")."""
+def forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, device, states: bool = True) -> dict:
+    """The forward's slot tensors for n chunks (docs/chunk_pipeline.md, "Slot tensors"); ``states``: with the
+    per-chunk states ``h``, which only a backward reads (the recomputing forward's walk stores no states)."""
     f32 = torch.float32
-    return dict(
+    slots = dict(
         gc=torch.empty(n, HV, CHUNK, K, dtype=f32, device=device),
         bt=torch.empty(n, HV, CHUNK, dtype=f32, device=device),
         rq=torch.empty(n, H, CHUNK, dtype=f32, device=device),
@@ -36,8 +39,10 @@ def forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, d
         qg=torch.empty(n, HV, CHUNK, K, dtype=dtype, device=device),
         kd=torch.empty(n, HV, CHUNK, K, dtype=dtype, device=device),
         u=torch.empty(n, HV, CHUNK, V, dtype=dtype, device=device),
-        h=torch.empty(n, HV, K, V, dtype=dtype, device=device),
     )
+    if states:
+        slots["h"] = torch.empty(n, HV, K, V, dtype=dtype, device=device)
+    return slots
 
 
 def window_intermediates(opts: KDAOptions, rows: torch.Tensor, s: dict, q, k, v, g, beta, A_log, dt_bias) -> dict:
@@ -71,21 +76,25 @@ def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_
     # over every chunk (fewer, larger launches); only the walk goes window by window
     checkpoints = None if keep else torch.empty(plan.n_windows, *carry.shape, dtype=torch.float32, device=q.device)
     n_rows = plan.table.shape[0]
-    s = forward_slots(n_rows if keep else plan.max_slots, H, HV, K, V, q.dtype, q.device)
+    s = forward_slots(n_rows if keep else plan.forward_slots, H, HV, K, V, q.dtype, q.device, states=keep)
     if keep and n_rows:
         window_intermediates(opts, plan.table, s, q, k, v, g, beta, A_log, dt_bias)
-    for w, (r0, r1) in enumerate(plan.window_rows):
-        if checkpoints is not None:
-            checkpoints[w].copy_(carry)
-        if r1 == r0:
-            continue
-        rows = plan.table[r0:r1]
-        if keep:
-            x = {name: t[r0:r1] for name, t in s.items()}
-        else:
-            x = window_intermediates(opts, rows, s, q, k, v, g, beta, A_log, dt_bias)
-        run_walk_fwd(opts, rows, plan.seq_rows[w], x["w"], x["u"], x["qg"], x["kd"], x["aqk"], x["gc"], carry,
-                     x["h"], o)
+    groups = ((0, plan.n_windows),) if keep else plan.forward_groups
+    for w0, w1 in groups:
+        g0, g1 = plan.window_rows[w0][0], plan.window_rows[w1 - 1][1]
+        if not keep and g1 > g0:
+            # the group's state-independent stages in one launch each, into slots 0 .. g1 - g0
+            window_intermediates(opts, plan.table[g0:g1], s, q, k, v, g, beta, A_log, dt_bias)
+        base = 0 if keep else g0
+        for w in range(w0, w1):
+            r0, r1 = plan.window_rows[w]
+            if checkpoints is not None:
+                checkpoints[w].copy_(carry)
+            if r1 == r0:
+                continue
+            x = {name: t[r0 - base:r1 - base] for name, t in s.items()}
+            run_walk_fwd(opts, plan.table[r0:r1], plan.seq_rows[w], x["w"], x["u"], x["qg"], x["kd"], x["aqk"],
+                         x["gc"], carry, x.get("h"), o)
     final = None
     if opts.output_final_state:
         final = carry.transpose(-1, -2).contiguous() if opts.state_v_first else carry

@@ -13,6 +13,7 @@ from functools import lru_cache
 import torch
 
 from kdakit.ops.kda.chunk.tiles import CHUNK
+from kdakit.ops.kda.plan_chunk64 import chunk64_forward_groups
 
 
 def chunk_table_rows(B: int, T: int, seqlens: list[int] | None) -> list[tuple[int, int, int, int]]:
@@ -46,6 +47,9 @@ class ChunkPlan:
     A window holds the chunks at positions ``[w * window_chunks, (w + 1) * window_chunks)`` of every sequence,
     so that each launch runs every sequence (the walks' parallelism); within a window the rows are grouped by
     sequence, in order. ``seq_rows[w, n]`` = (first slot of sequence n in window w, its chunk count there).
+    The recomputing forward runs its state-independent stages once per group of consecutive windows
+    (``forward_groups``: ``[w0, w1)`` window ranges; ``plan_chunk64.chunk64_forward_groups``) into slots of
+    ``forward_slots`` rows; the backward's slots hold one window (``max_slots`` rows).
     """
 
     table: torch.Tensor  # int32 [n_chunks, 4], window-major
@@ -53,16 +57,21 @@ class ChunkPlan:
     seq_rows: torch.Tensor  # int32 [n_windows, N, 2]
     n_seqs: int
     window_chunks: int
-    max_slots: int  # the largest window's chunk count: the scratch's leading size
+    max_slots: int  # the largest window's chunk count: the backward's scratch's leading size
+    forward_groups: tuple[tuple[int, int], ...]  # the forward's groups of windows
+    forward_slots: int  # the largest group's chunk count: the recomputing forward's scratch's leading size
 
     @property
     def n_windows(self) -> int:
         return len(self.window_rows)
 
 
-def make_chunk_plan(B: int, T: int, seqlens, device, window_tokens: int | None = None) -> ChunkPlan:
+def make_chunk_plan(B: int, T: int, seqlens, device, window_tokens: int | None = None,
+                    slot_geometry: tuple | None = None) -> ChunkPlan:
     """The plan of a call with B x T tokens (``seqlens``: packed lengths, B == 1). ``window_tokens``: the
-    window's length, a positive multiple of CHUNK (None: one window holding every chunk).
+    window's length, a positive multiple of CHUNK (None: one window holding every chunk). ``slot_geometry``:
+    ``(H, HV, K, V, dtype, g_dtype)`` of the call, which sizes the forward's groups of windows
+    (``chunk64_forward_groups``); None: one window a group.
 
     Memoized by the call's geometry, so that a CUDA-graph capture after an eager warm call of the same shape
     copies nothing to the device."""
@@ -70,11 +79,12 @@ def make_chunk_plan(B: int, T: int, seqlens, device, window_tokens: int | None =
                                       or window_tokens <= 0 or window_tokens % CHUNK):
         raise ValueError(f"window_tokens must be a positive multiple of {CHUNK} or None, got {window_tokens!r}")
     key = None if seqlens is None else tuple(int(x) for x in seqlens)
-    return _plan(int(B), int(T), key, str(torch.device(device)), window_tokens)
+    return _plan(int(B), int(T), key, str(torch.device(device)), window_tokens, slot_geometry)
 
 
 @lru_cache(maxsize=64)
-def _plan(B: int, T: int, seqlens: tuple | None, device: str, window_tokens: int | None) -> ChunkPlan:
+def _plan(B: int, T: int, seqlens: tuple | None, device: str, window_tokens: int | None,
+          slot_geometry: tuple | None) -> ChunkPlan:
     lengths = [T] * B if seqlens is None else [int(x) for x in seqlens]
     starts, acc = [], 0
     for n, length in enumerate(lengths):
@@ -99,6 +109,13 @@ def _plan(B: int, T: int, seqlens: tuple | None, device: str, window_tokens: int
         seq_rows.append(per_seq)
     table = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), 4).to(device)
     seq = torch.tensor(seq_rows, dtype=torch.int32).reshape(n_windows, len(lengths), 2).to(device)
-    max_slots = max((b - a for a, b in window_rows), default=0)
+    counts = [b - a for a, b in window_rows]
+    max_slots = max(counts, default=0)
+    if slot_geometry is None:
+        groups, forward_slots = tuple((w, w + 1) for w in range(n_windows)), max_slots
+    else:
+        H, HV, K, V, dtype, g_dtype = slot_geometry
+        groups, forward_slots = chunk64_forward_groups(counts, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype,
+                                                       g_dtype=g_dtype)
     return ChunkPlan(table=table, window_rows=tuple(window_rows), seq_rows=seq, n_seqs=len(lengths),
-                     window_chunks=wc, max_slots=max_slots)
+                     window_chunks=wc, max_slots=max_slots, forward_groups=groups, forward_slots=forward_slots)

@@ -14,8 +14,9 @@ Kernels:
 * ``chunk_walk_fwd_kernel``, grid ``(N * HV, cdiv(V, BV))``: one sequence, value head and value block walks the
   sequence's chunks in the window (slots ``seq_rows[n, 0] ..`` + ``seq_rows[n, 1]``, in order) with S
   ``[K, BV]`` in fp32 registers, read from ``carry[n, hv]`` at the start and written back at the end; per
-  chunk it stores S (the state entering the chunk) into the ``h`` slot, V' over ``u``, and O into the ``o``
-  token tensor (rows < L, when STORE_O).
+  chunk it stores S (the state entering the chunk) into the ``h`` slot and V' over ``u`` (when STORE_STATES:
+  for a backward; the recomputing forward stores neither), and O into the ``o`` token tensor (rows < L, when
+  STORE_O).
 * ``chunk_walk_bwd_kernel``, same grid, the chunks in reverse, dS from and back into the carry; per chunk it
   stores dS into the ``dh`` slot and dV' over ``dvs``.
 * ``chunk_dav_kernel``, grid ``(n, HV)``: one chunk and value head, a loop over value blocks; dAqk into the
@@ -76,7 +77,7 @@ WALK_BWD_BLOCK_V = {"bf16": (32, 16), "fp32": (16,)}
 DAV_WARPS = 4
 DAV_STAGES = 1
 DAV_BLOCK_V = {"bf16": 128, "fp32": 32}
-WALK_SPILL_BUDGET = {"bf16": 0, "fp32": 800}  # bytes of spill stores + loads per kernel
+WALK_SPILL_BUDGET = {"bf16": 0, "fp32": 960}  # bytes of spill stores + loads per kernel
 
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -137,18 +138,22 @@ def _decay_row(gc_slot, L, K, BK: tl.constexpr):
 @triton.jit
 def _walk_fwd_step(S, s, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, s_ob, s_ot, s_oh,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   STORE_O: tl.constexpr, OP_BF16: tl.constexpr, EMULATE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One chunk (slot s) of the forward walk: stores h, V', O; returns the state leaving the chunk."""
+                   STORE_O: tl.constexpr, STORE_STATES: tl.constexpr, OP_BF16: tl.constexpr, EMULATE: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
+    """One chunk (slot s) of the forward walk: stores h and V' (STORE_STATES), O (STORE_O); returns the state
+    leaving the chunk."""
     _, b, t0, L = chunk_row(table, s)
     slot = s.to(tl.int64) * HV + hv
-    h_slot = h + slot * (K * V)
-    _store_tile(h_slot, as_stored(S, h_slot, EMULATE), K, V, v0, V, BK, BV)
+    if STORE_STATES:
+        h_slot = h + slot * (K * V)
+        _store_tile(h_slot, as_stored(S, h_slot, EMULATE), K, V, v0, V, BK, BV)
     Sb = dot_operand(S, OP_BF16, EMULATE)  # [BK, BV]
     Wn = dot_operand(-_load_tile(w + slot * (C * K), L, K, 0, K, C, BK), OP_BF16, EMULATE)  # -W [C, BK]
     u_slot = u + slot * (C * V)
     Vn = tl.dot(Wn, Sb, acc=_load_tile(u_slot, L, V, v0, V, C, BV), input_precision=DOT_PREC)  # V' [C, BV]
     Vn = as_stored(Vn, u_slot, EMULATE)
-    _store_tile(u_slot, Vn, C, V, v0, V, C, BV)
+    if STORE_STATES:
+        _store_tile(u_slot, Vn, C, V, v0, V, C, BV)
     Vb = dot_operand(Vn, OP_BF16, EMULATE)  # [C, BV]
     if STORE_O:
         Qg = dot_operand(_load_tile(qg + slot * (C * K), L, K, 0, K, C, BK), OP_BF16, EMULATE)  # [C, BK]
@@ -169,8 +174,8 @@ def _walk_fwd_step(S, s, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, 
 def chunk_walk_fwd_kernel(
     table, seq_rows, w, u, qg, kd, aqk, gc, carry, h, o, scale, HV, s_ob, s_ot, s_oh,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    STORE_O: tl.constexpr, OP_BF16: tl.constexpr, EMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
-    LOOP_WHILE: tl.constexpr,
+    STORE_O: tl.constexpr, STORE_STATES: tl.constexpr, OP_BF16: tl.constexpr, EMULATE: tl.constexpr,
+    DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr,
 ):
     """One (sequence n, value head hv, value block): S over the sequence's chunks in the window."""
     i_nh = tl.program_id(0)
@@ -186,12 +191,14 @@ def chunk_walk_fwd_kernel(
             j = 0
             while j < count:
                 S = _walk_fwd_step(S, first + j, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, s_ob, s_ot,
-                                   s_oh, K, V, C, BK, BV, STORE_O, OP_BF16, EMULATE, DOT_PREC)
+                                   s_oh, K, V, C, BK, BV, STORE_O, STORE_STATES, OP_BF16, EMULATE,
+                                   DOT_PREC)
                 j += 1
         else:
             for j in range(0, count):
                 S = _walk_fwd_step(S, first + j, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, s_ob, s_ot,
-                                   s_oh, K, V, C, BK, BV, STORE_O, OP_BF16, EMULATE, DOT_PREC)
+                                   s_oh, K, V, C, BK, BV, STORE_O, STORE_STATES, OP_BF16, EMULATE,
+                                   DOT_PREC)
         _store_tile(carry_nh, S, K, V, v0, V, BK, BV)
 
 
@@ -355,8 +362,9 @@ def _flags(dtype: torch.dtype) -> dict:
 
 def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
                  qg: torch.Tensor, kd: torch.Tensor, aqk: torch.Tensor, gc: torch.Tensor, carry: torch.Tensor,
-                 h: torch.Tensor, o: torch.Tensor | None) -> None:
-    """The forward state walk over one window: h, V' (over u), o's rows (when o is given), the carry in place."""
+                 h: torch.Tensor | None, o: torch.Tensor | None) -> None:
+    """The forward state walk over one window: h and V' (over u) when h is given, o's rows when o is given, the
+    carry in place."""
     n, HV, K = _slot_dims("w", w, CHUNK)
     V = _slot_dims("u", u, CHUNK)[2]
     N = _table_dims(table, seq_rows)
@@ -366,8 +374,12 @@ def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
                                   ("w", w, (n, HV, CHUNK, K), dt), ("u", u, (n, HV, CHUNK, V), dt),
                                   ("qg", qg, (n, HV, CHUNK, K), dt), ("kd", kd, (n, HV, CHUNK, K), dt),
                                   ("aqk", aqk, (n, HV, CHUNK, CHUNK), dt), ("gc", gc, (n, HV, CHUNK, K), torch.float32),
-                                  ("carry", carry, (N, HV, K, V), torch.float32), ("h", h, (n, HV, K, V), dt)):
+                                  ("carry", carry, (N, HV, K, V), torch.float32)):
         check_slot(name, x, shape, dtype)
+    if h is not None:
+        check_slot("h", h, (n, HV, K, V), dt)
+    elif o is None:
+        raise ValueError("run_walk_fwd needs h or o: with neither it would store nothing but the carry")
     if o is not None:
         _check_tokens("o", o, HV, V)
     if N * HV == 0 or n == 0:
@@ -376,8 +388,9 @@ def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
     BV = walk_block_v(WALK_FWD_BLOCK_V[kind], N * HV, V, sm_count(u.device))
     so = o.stride()[:3] if o is not None else (0, 0, 0)
     chunk_walk_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
-        table, seq_rows, w, u, qg, kd, aqk, gc, carry, h, o if o is not None else u, float(opts.scale), HV, *so,
-        K=K, V=V, C=CHUNK, BK=block_size(K), BV=BV, STORE_O=o is not None, **flags,
+        table, seq_rows, w, u, qg, kd, aqk, gc, carry, h if h is not None else u, o if o is not None else u,
+        float(opts.scale), HV, *so, K=K, V=V, C=CHUNK, BK=block_size(K), BV=BV, STORE_O=o is not None,
+        STORE_STATES=h is not None, **flags,
         LOOP_WHILE=triton_interpreting(), num_warps=WALK_FWD_WARPS, num_stages=WALK_FWD_STAGES[kind],
     )
 

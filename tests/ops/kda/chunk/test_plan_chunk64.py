@@ -146,6 +146,9 @@ CASES = {
     "raw_fp32_gate_fast_final": ("raw", "chunk64_fast", 64, dict(B=1, T=150, H=1, HV=2, K=16, V=16,
                                  dtype=torch.bfloat16, lengths=[150], h0=True, g_dtype=torch.float32,
                                  final=True)),
+    # one sequence of four 1-chunk windows: the forward runs two groups of two windows
+    "forward_groups_softplus": ("softplus", "chunk64", 64, dict(B=1, T=250, H=1, HV=1, K=16, V=16,
+                                dtype=torch.bfloat16, lengths=None, h0=True)),
     "fp32_tokens_h0": ("softplus", "chunk64", 64, dict(B=1, T=139, H=2, HV=2, K=32, V=24, dtype=torch.float32,
                      lengths=[70, 5, 64], h0=True)),
 }
@@ -175,8 +178,12 @@ def test_plan_prices_every_allocation_of_the_step(name):
     assert tr.peak == peak
     # the windows' geometry is the chunk plan's own
     lengths = list(plan.seqlens) if x.get("cu_seqlens") is not None else None
-    cp = chunk_plan.make_chunk_plan(plan.B, plan.T, lengths, "cpu", window)
+    cp = chunk_plan.make_chunk_plan(plan.B, plan.T, lengths, "cpu", window,
+                                    slot_geometry=(plan.H, plan.HV, plan.K, plan.V, plan.dtype, plan.g_dtype or plan.dtype))
     assert (plan.num_windows, plan.max_slots, plan.num_chunks) == (cp.n_windows, cp.max_slots, cp.table.shape[0])
+    assert plan.forward_slots == (cp.table.shape[0] if pipeline == "chunk64_fast" else cp.forward_slots)
+    if name == "forward_groups_softplus":
+        assert len(cp.forward_groups) > 1 and cp.forward_slots < cp.table.shape[0], cp.forward_groups
 
 
 def test_a_perturbed_slot_fails_the_comparison(monkeypatch):

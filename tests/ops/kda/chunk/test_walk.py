@@ -298,11 +298,13 @@ for tok in ("bf16", "fp16", "fp32"):
     fl = dict(OP_BF16=tok != "fp32", EMULATE=False, DOT_PREC="tf32x3" if tok == "fp32" else "tf32")
     kind = "fp32" if tok == "fp32" else "bf16"
     for bv in W.WALK_FWD_BLOCK_V[kind]:
-        for store_o in (True, False):
-            out[f"fwd/{tok}/bv={bv}/store_o={store_o}"] = build(
+        # the forward keeping its intermediates, the recomputing forward, the backward's recompute
+        for store_o, states in ((True, True), (True, False), (False, True)):
+            out[f"fwd/{tok}/bv={bv}/store_o={store_o}/states={states}"] = build(
                 W.chunk_walk_fwd_kernel, dict(table="*i32", seq_rows="*i32", w=T, u=T, qg=T, kd=T, aqk=T,
                                               gc="*fp32", carry="*fp32", h=T, o=T, scale="fp32"),
-                dict(K=128, V=128, C=64, BK=128, BV=bv, STORE_O=store_o, LOOP_WHILE=False, **fl),
+                dict(K=128, V=128, C=64, BK=128, BV=bv, STORE_O=store_o, STORE_STATES=states, LOOP_WHILE=False,
+                                     **fl),
                 W.WALK_FWD_WARPS, W.WALK_FWD_STAGES[kind])
     for bv in W.WALK_BWD_BLOCK_V[kind]:
         out[f"bwd/{tok}/bv={bv}"] = build(
@@ -321,7 +323,7 @@ def test_sm90_build():
     res = read_reports(run_sm90_build(_BUILD))
     from kdakit.ops.kda.chunk import walk as W
 
-    per_tok = {k: 2 * len(W.WALK_FWD_BLOCK_V[k]) + len(W.WALK_BWD_BLOCK_V[k]) + 1 for k in ("bf16", "fp32")}
+    per_tok = {k: 3 * len(W.WALK_FWD_BLOCK_V[k]) + len(W.WALK_BWD_BLOCK_V[k]) + 1 for k in ("bf16", "fp32")}
     assert len(res) == 2 * per_tok["bf16"] + per_tok["fp32"]
     from kdakit.ops.kda.chunk.walk import WALK_SPILL_BUDGET
 
