@@ -68,6 +68,7 @@ PIPELINES = ("windowed16", "chunk64", "chunk64_fast")
 GATE_KINDS = ("safe", "softplus", "raw")
 DEFAULT_PIPELINE = {"safe": "windowed16", "softplus": "chunk64", "raw": "chunk64"}
 CHUNK64_WINDOW = {"chunk64": 1024, "chunk64_fast": 2048}
+WINDOW_ROWS = 1536  # the least (chunk, value head) rows of a default window: 16 chunks of 96 heads
 
 GROUPS = (
     "inputs/dO/O",
@@ -272,12 +273,22 @@ def resolve_pipeline(pipeline: str | None, gate: str) -> str:
     return pipeline
 
 
-def chunk64_window(pipeline: str, window_tokens: int | None = None) -> int:
-    """The window of a 64-token pipeline in tokens: ``window_tokens``, else ``CHUNK64_WINDOW[pipeline]``."""
+def chunk64_window(pipeline: str, window_tokens: int | None = None, pairs: int | None = None) -> int:
+    """The window of a 64-token pipeline in tokens: ``window_tokens``, else the default for ``pairs`` (sequence,
+    value head) chains: ``CHUNK64_WINDOW[pipeline]``, doubled until a window holds at least ``WINDOW_ROWS``
+    (chunk, value head) rows (``pairs`` None: the base window).
+
+    Every window costs the host a fixed number of launches (about fifteen in the backward); at few pairs (one
+    sequence of 16 heads, a layer's shape) a base window's kernels finish before the host has queued the next
+    window's, and the step runs at the host's speed. The larger window costs scratch in proportion."""
     if pipeline not in CHUNK64_WINDOW:
         raise ValueError(f"pipeline must be one of {tuple(CHUNK64_WINDOW)} for a 64-token window, got {pipeline!r}")
     if window_tokens is None:
-        return CHUNK64_WINDOW[pipeline]
+        window = CHUNK64_WINDOW[pipeline]
+        if pairs:
+            while pairs * (window // CHUNK64) < WINDOW_ROWS:
+                window *= 2
+        return window
     if isinstance(window_tokens, bool) or not isinstance(window_tokens, int) or window_tokens <= 0 \
             or window_tokens % CHUNK64:
         raise ValueError(f"window_tokens must be a positive multiple of {CHUNK64}, got {window_tokens!r}")
@@ -351,7 +362,8 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
     ``chunk_kda`` runs for that gate. ``gate``: ``gate_kind`` of the call, ``"safe"`` (the memory protocol's,
     default), ``"softplus"`` or ``"raw"``; ``gate_params`` None means ``gate != "raw"`` (a raw gate has none).
     ``window_tokens``: the 64-token pipelines' window, a multiple of 64 (``chunk_kda`` takes it as
-    ``checkpoint_every_n_tokens``, so either names it; default ``CHUNK64_WINDOW[pipeline]``). ``g_dtype``: g's
+    ``checkpoint_every_n_tokens``, so either names it; default ``chunk64_window``'s for the call's sequences and
+    value heads). ``g_dtype``: g's
     dtype (and dg's), default the token dtype; Kimi Linear passes a raw fp32 log-decay with bf16 tokens.
     """
     if gate not in GATE_KINDS:
@@ -373,9 +385,8 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
                 and window_tokens != checkpoint_every_n_tokens:
             raise ValueError(f"window_tokens and checkpoint_every_n_tokens both name the 64-token window: give one, "
                              f"got {window_tokens!r} and {checkpoint_every_n_tokens!r}")
-        window_tokens = chunk64_window(pipeline, window_tokens if window_tokens is not None
-                                       else checkpoint_every_n_tokens)
-        checkpoint_every_n_tokens = window_tokens
+        explicit = window_tokens if window_tokens is not None else checkpoint_every_n_tokens
+        window_tokens = chunk64_window(pipeline, explicit) if explicit is not None else None
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     if q is not None:
@@ -429,6 +440,8 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
         lengths = [T] * B
     g_dtype = dtype if g_dtype is None else g_dtype
     if pipeline != "windowed16":
+        if window_tokens is None:
+            window_tokens = chunk64_window(pipeline, pairs=len(lengths) * HV)
         return _plan_chunk64(pipeline, gate, B, T, H, HV, K, V, dtype, g_dtype, tuple(lengths),
                              cu_seqlens is not None, window_tokens, bool(initial_state), initial_state_dtype,
                              bool(output_final_state), bool(gate_params))

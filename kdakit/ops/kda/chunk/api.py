@@ -126,9 +126,11 @@ def chunk_kda(
             ``checkpoint_every_n_tokens`` that is not a multiple of 64.
             ``"windowed16"``: 16-token forward and windowed backward, peak within 1.10x of the memory floor
             (slow with an unbounded gate); ``"chunk64"``: the 64-token pipeline, whose backward recomputes each
-            window of ``checkpoint_every_n_tokens`` tokens (default 1024); ``"chunk64_fast"``: the same with
+            window of ``checkpoint_every_n_tokens`` tokens (default 1024, doubled until a window holds 1536
+            (chunk, value head) rows: 8192 tokens for one sequence of 16 heads); ``"chunk64_fast"``: the same with
             the forward's per-chunk intermediates kept for the backward (about 2.4 KB per token and value head
-            at K = V = 128 in bf16; backward windows of ``checkpoint_every_n_tokens``, default 2048). The two
+            at K = V = 128 in bf16; backward windows of ``checkpoint_every_n_tokens``, default 2048, doubled
+            the same way). The two
             64-token pipelines take any gate and strided token views (unit last stride), not
             ``return_intermediate_states``. ``kdakit.plan_kda(pipeline=..., gate=...)`` prices each one;
             docs/perf_notes.md has their measured speed and memory.
@@ -250,7 +252,7 @@ def chunk_kda(
     h = None
     if backend == "triton":
         if chunk64:
-            window = chunk64_window(pipeline, checkpoint_every_n_tokens)
+            window = chunk64_window(pipeline, checkpoint_every_n_tokens, pairs=opts.shape.N * opts.shape.HV)
             o, final = chunk64_kda(q, k, v, g, beta, **tensors, opts=opts, window_tokens=window,
                                    keep_intermediates=pipeline == "chunk64_fast")
         elif return_intermediate_states:

@@ -244,3 +244,22 @@ def test_gate_kind_is_the_options_safe_path():
         resolve_pipeline("chunk32", "safe")
     with pytest.raises(ValueError, match="gate"):
         resolve_pipeline(None, "sigmoid")
+
+
+def test_default_window_grows_with_few_sequence_head_pairs():
+    """The default window holds at least WINDOW_ROWS (chunk, value head) rows; an explicit one is kept; plan_kda
+    prices the window chunk_kda picks."""
+    from kdakit.ops.kda.plan import WINDOW_ROWS, chunk64_window
+
+    assert WINDOW_ROWS == 1536
+    # the protocol shapes keep the base windows; one sequence of 16 heads (a layer) gets 8192-token windows
+    assert [chunk64_window("chunk64", pairs=p) for p in (96, 128, 16, 1)] == [1024, 1024, 8192, 131072]
+    assert [chunk64_window("chunk64_fast", pairs=p) for p in (96, 16, 48)] == [2048, 8192, 2048]
+    assert chunk64_window("chunk64", pairs=None) == 1024
+    assert chunk64_window("chunk64", 256, pairs=16) == 256
+    plan = plan_kda(B=1, T=32768, H=16, K=128, gate="softplus", pipeline="chunk64")
+    assert (plan.window_tokens, plan.num_windows) == (8192, 4)
+    packed = plan_kda(seqlens=[4096] * 6, H=16, K=128, gate="softplus", pipeline="chunk64")
+    assert packed.window_tokens == 1024  # 6 x 16 = 96 pairs
+    explicit = plan_kda(B=1, T=32768, H=16, K=128, gate="softplus", pipeline="chunk64", checkpoint_every_n_tokens=2048)
+    assert explicit.window_tokens == 2048
