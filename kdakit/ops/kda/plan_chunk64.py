@@ -110,7 +110,7 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
       backward reads them, ``ctx.kept``). The carry is the final state when one is returned, else freed;
     * backward (``chunk_bwd``): dq, dk, dg, dv, dbeta; ``chunk64``: the forward slots again (one window); the
       backward slots (one window); dA_log ``[HV]`` and ddt_bias ``[HV, K]`` (fp32, zeros); the fp32 dS carry
-      (which is dh0) and, for ``chunk64``, the state carry; per window with the gate's parameters the
+      (which is dh0; the recomputing walk starts from each window's checkpoint in place); per window with the gate's parameters the
       ``.sum(0)`` temporaries of the per-chunk partials; at return the slots and carries go, then the kept
       slots (``ctx.kept = None``), then dh0's cast to a bf16 initial state's dtype; the saved tensors are
       released after the backward returns.
@@ -173,9 +173,6 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
     else:
         add("d_initial_state_fp32" if h0_cast else "d_initial_state", state, f32,
             "stage buffers" if h0_cast else "gradient outputs", "backward")
-    if not keep:
-        add("bwd_state_carry", state, f32, "workspace", "backward")
-        scratch.append("bwd_state_carry")
     if gate_params:
         add("dA_log_sum", (HV,), f32, "workspace", "backward", live=False)
         add("ddt_bias_sum", (HV, K), f32, "workspace", "backward", live=False)

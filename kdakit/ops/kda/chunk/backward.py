@@ -54,7 +54,6 @@ def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, c
     dcarry = torch.zeros(plan.n_seqs, HV, K, V, dtype=torch.float32, device=dev)
     if dht is not None:
         dcarry.copy_(dht.transpose(-1, -2) if opts.state_v_first else dht)
-    carry = torch.empty_like(dcarry) if kept is None else None
     for w in reversed(range(plan.n_windows)):
         r0, r1 = plan.window_rows[w]
         if r1 == r0:
@@ -64,12 +63,13 @@ def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, c
             x = {name: t[r0:r1] for name, t in kept.items()}
         else:
             x = window_intermediates(opts, rows, s, q, k, v, g, beta, A_log, dt_bias)
-            carry.copy_(checkpoints[w])
-            run_walk_fwd(opts, rows, plan.seq_rows[w], x["w"], x["u"], x["qg"], x["kd"], x["aqk"], x["gc"], carry,
-                         x["h"], None)
+            # the window's states from its checkpoint, which stays as it is (store_carry=False)
+            run_walk_fwd(opts, rows, plan.seq_rows[w:w + 1], x["w"], x["u"], x["qg"], x["kd"], x["aqk"], x["gc"],
+                         checkpoints[w], x["h"], None, row0=r0, store_carry=False)
         y = {name: t[:n] for name, t in b.items()}
         run_dav(opts, rows, do, x["u"], x["aqk"], y["daqk"], y["dvs"])
-        run_walk_bwd(opts, rows, plan.seq_rows[w], x["w"], x["qg"], x["kd"], x["gc"], do, dcarry, y["dh"], y["dvs"])
+        run_walk_bwd(opts, rows, plan.seq_rows[w], x["w"], x["qg"], x["kd"], x["gc"], do, dcarry, y["dh"], y["dvs"],
+                     row0=r0)
         run_grads_wy(opts, rows, q, k, v, do, x["gc"], x["bt"], x["rq"], x["rk"], x["tinv"], x["w"], x["qg"],
                      x["kd"], x["u"], y["dvs"], x["h"], y["dh"], dv, y["dqh"], y["dkh"], y["dgs"], y["dgc"], y["dbs"],
                      y["dakk"])

@@ -5,8 +5,8 @@ carries each sequence's state from window to window and writes o.
 Saved for the backward: the state entering every window (``checkpoints``, fp32 ``[n_windows, N, HV, K, V]``);
 the backward recomputes a window's intermediates from it. The forward runs its state-independent stages once
 per group of consecutive windows (``ChunkPlan.forward_groups``: as many as fit in the memory the backward's
-scratch and gradients will need anyway), then walks the group's windows one by one; its scratch (the slot
-tensors) is sized by the largest group and reused by every group. With ``keep=True`` (the plan's fast workspace) the slots are sized by the
+scratch and gradients will need anyway), then walks the group's windows in one launch, which also writes their
+checkpoints; its scratch (the slot tensors) is sized by the largest group and reused by every group. With ``keep=True`` (the plan's fast workspace) the slots are sized by the
 whole call instead, each window writes its own rows, and the backward reads them instead of recomputing
 (about 2.4 KB per token and value head at K = V = 128 in bf16).
 """
@@ -72,8 +72,7 @@ def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_
     HV, V = v.shape[2], v.shape[3]
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     carry = state_carry(initial_state, plan.n_seqs, HV, K, V, opts.state_v_first, q.device)
-    # kept slots: the backward reads them, so it needs no checkpoints, and the state-independent stages run once
-    # over every chunk (fewer, larger launches); only the walk goes window by window
+    # kept slots: the backward reads them, so it needs no checkpoints, and every stage runs once over every chunk
     checkpoints = None if keep else torch.empty(plan.n_windows, *carry.shape, dtype=torch.float32, device=q.device)
     n_rows = plan.table.shape[0]
     s = forward_slots(n_rows if keep else plan.forward_slots, H, HV, K, V, q.dtype, q.device, states=keep)
@@ -86,15 +85,11 @@ def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_
             # the group's state-independent stages in one launch each, into slots 0 .. g1 - g0
             window_intermediates(opts, plan.table[g0:g1], s, q, k, v, g, beta, A_log, dt_bias)
         base = 0 if keep else g0
-        for w in range(w0, w1):
-            r0, r1 = plan.window_rows[w]
-            if checkpoints is not None:
-                checkpoints[w].copy_(carry)
-            if r1 == r0:
-                continue
-            x = {name: t[r0 - base:r1 - base] for name, t in s.items()}
-            run_walk_fwd(opts, plan.table[r0:r1], plan.seq_rows[w], x["w"], x["u"], x["qg"], x["kd"], x["aqk"],
-                         x["gc"], carry, x.get("h"), o)
+        x = {name: t[:g1 - base] for name, t in s.items()}
+        # one walk over the group's windows, writing the state entering each window into its checkpoint
+        run_walk_fwd(opts, plan.table[base:g1], plan.seq_rows[w0:w1], x["w"], x["u"], x["qg"], x["kd"], x["aqk"],
+                     x["gc"], carry, x.get("h"), o, row0=base,
+                     checkpoints=checkpoints[w0:w1] if checkpoints is not None else None)
     final = None
     if opts.output_final_state:
         final = carry.transpose(-1, -2).contiguous() if opts.state_v_first else carry

@@ -46,7 +46,8 @@ class ChunkPlan:
 
     A window holds the chunks at positions ``[w * window_chunks, (w + 1) * window_chunks)`` of every sequence,
     so that each launch runs every sequence (the walks' parallelism); within a window the rows are grouped by
-    sequence, in order. ``seq_rows[w, n]`` = (first slot of sequence n in window w, its chunk count there).
+    sequence, in order. ``seq_rows[w, n]`` = (sequence n's first row of the table in window w, its chunk count
+    there).
     The recomputing forward runs its state-independent stages once per group of consecutive windows
     (``forward_groups``: ``[w0, w1)`` window ranges; ``plan_chunk64.chunk64_forward_groups``) into slots of
     ``forward_slots`` rows; the backward's slots hold one window (``max_slots`` rows).
@@ -100,7 +101,7 @@ def _plan(B: int, T: int, seqlens: tuple | None, device: str, window_tokens: int
         per_seq = []
         for n, length in enumerate(lengths):
             c0, c1 = w * wc, min((w + 1) * wc, n_chunks[n])
-            per_seq.append((len(rows) - first, max(c1 - c0, 0)))
+            per_seq.append((len(rows), max(c1 - c0, 0)))
             for c in range(c0, c1):
                 t0 = c * CHUNK
                 b, base = (n, 0) if seqlens is None else (0, starts[n])

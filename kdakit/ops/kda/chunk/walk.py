@@ -12,13 +12,15 @@ Per chunk of L <= 64 tokens and value head (fp32 math; S, dS the state and its g
 Kernels:
 
 * ``chunk_walk_fwd_kernel``, grid ``(N * HV, cdiv(V, BV))``: one sequence, value head and value block walks the
-  sequence's chunks in the window (slots ``seq_rows[n, 0] ..`` + ``seq_rows[n, 1]``, in order) with S
-  ``[K, BV]`` in fp32 registers, read from ``carry[n, hv]`` at the start and written back at the end; per
-  chunk it stores S (the state entering the chunk) into the ``h`` slot and V' over ``u`` (when STORE_STATES:
-  for a backward; the recomputing forward stores neither), and O into the ``o`` token tensor (rows < L, when
-  STORE_O).
-* ``chunk_walk_bwd_kernel``, same grid, the chunks in reverse, dS from and back into the carry; per chunk it
-  stores dS into the ``dh`` slot and dV' over ``dvs``.
+  sequence's chunks in n_win consecutive windows (window i: slots ``seq_rows[i, n, 0] - row0`` on, for
+  ``seq_rows[i, n, 1]`` chunks, in order) with S ``[K, BV]`` in fp32 registers, read from ``carry[n, hv]`` at the
+  start and written back at the end (STORE_CARRY; the backward's recompute starts from a checkpoint and keeps
+  it); S entering each window goes into ``ckpt[i, n, hv]`` (STORE_CKPT: the recomputing forward's
+  checkpoints); per chunk it stores S (the state entering the chunk) into the ``h`` slot and V' over ``u``
+  (STORE_STATES: for a backward; the recomputing forward stores neither), and O into the ``o`` token tensor
+  (rows < L, when STORE_O).
+* ``chunk_walk_bwd_kernel``, same grid, one window's chunks in reverse (slots ``seq_rows[n, 0] - row0`` on),
+  dS from and back into the carry; per chunk it stores dS into the ``dh`` slot and dV' over ``dvs``.
 * ``chunk_dav_kernel``, grid ``(n, HV)``: one chunk and value head, a loop over value blocks; dAqk into the
   fp32 ``daqk`` slot, Aqk^T dO into the fp32 ``dvs`` slot.
 
@@ -77,7 +79,9 @@ WALK_BWD_BLOCK_V = {"bf16": (32, 16), "fp32": (16,)}
 DAV_WARPS = 4
 DAV_STAGES = 1
 DAV_BLOCK_V = {"bf16": 128, "fp32": 32}
-WALK_SPILL_BUDGET = {"bf16": 0, "fp32": 960}  # bytes of spill stores + loads per kernel
+# bytes of spill stores + loads per kernel. bf16: the forward walk that stores states and o (the fast workspace's
+# one launch over every window) keeps 56 B at 64-wide V blocks since the walk loops over windows; not timed apart.
+WALK_SPILL_BUDGET = {"bf16": 64, "fp32": 960}
 
 TOKEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -171,34 +175,57 @@ def _walk_fwd_step(S, s, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, 
 
 
 @triton.jit
+def _walk_fwd_window(S, wi, i_nh, n_hv, v0, n, hv, table, seq_rows, w, u, qg, kd, aqk, gc, ckpt, h, o, scale, HV, row0,
+                     s_ob, s_ot, s_oh, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, STORE_O: tl.constexpr, STORE_STATES: tl.constexpr, STORE_CKPT: tl.constexpr,
+                     OP_BF16: tl.constexpr, EMULATE: tl.constexpr, DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr):
+    """Window wi of the forward walk: its checkpoint (STORE_CKPT), then its chunks; returns the state leaving it."""
+    if STORE_CKPT:  # the state entering window wi
+        _store_tile(ckpt + (wi * n_hv + i_nh).to(tl.int64) * (K * V), S, K, V, v0, V, BK, BV)
+    pair = seq_rows + (wi * (n_hv // HV) + n).to(tl.int64) * 2
+    first = tl.load(pair) - row0
+    count = tl.load(pair + 1)
+    if LOOP_WHILE:
+        j = 0
+        while j < count:
+            S = _walk_fwd_step(S, first + j, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, s_ob, s_ot, s_oh,
+                               K, V, C, BK, BV, STORE_O, STORE_STATES, OP_BF16, EMULATE, DOT_PREC)
+            j += 1
+    else:
+        for j in range(0, count):
+            S = _walk_fwd_step(S, first + j, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, s_ob, s_ot, s_oh,
+                               K, V, C, BK, BV, STORE_O, STORE_STATES, OP_BF16, EMULATE, DOT_PREC)
+    return S
+
+
+@triton.jit
 def chunk_walk_fwd_kernel(
-    table, seq_rows, w, u, qg, kd, aqk, gc, carry, h, o, scale, HV, s_ob, s_ot, s_oh,
+    table, seq_rows, w, u, qg, kd, aqk, gc, carry, ckpt, h, o, scale, HV, row0, n_win, s_ob, s_ot, s_oh,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    STORE_O: tl.constexpr, STORE_STATES: tl.constexpr, OP_BF16: tl.constexpr, EMULATE: tl.constexpr,
-    DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr,
+    STORE_O: tl.constexpr, STORE_STATES: tl.constexpr, STORE_CKPT: tl.constexpr, STORE_CARRY: tl.constexpr,
+    OP_BF16: tl.constexpr, EMULATE: tl.constexpr, DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr,
 ):
-    """One (sequence n, value head hv, value block): S over the sequence's chunks in the window."""
+    """One (sequence n, value head hv, value block): S over the sequence's chunks in n_win consecutive windows."""
     i_nh = tl.program_id(0)
     v0 = tl.program_id(1) * BV
+    n_hv = tl.num_programs(0)
     n = i_nh // HV
     hv = i_nh % HV
-    first = tl.load(seq_rows + 2 * n)
-    count = tl.load(seq_rows + 2 * n + 1)
-    if count > 0:
-        carry_nh = carry + i_nh.to(tl.int64) * (K * V)
-        S = _load_tile(carry_nh, K, V, v0, V, BK, BV)  # [BK, BV]
-        if LOOP_WHILE:  # the interpreter cannot range() over a loaded bound
-            j = 0
-            while j < count:
-                S = _walk_fwd_step(S, first + j, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, s_ob, s_ot,
-                                   s_oh, K, V, C, BK, BV, STORE_O, STORE_STATES, OP_BF16, EMULATE,
-                                   DOT_PREC)
-                j += 1
-        else:
-            for j in range(0, count):
-                S = _walk_fwd_step(S, first + j, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, s_ob, s_ot,
-                                   s_oh, K, V, C, BK, BV, STORE_O, STORE_STATES, OP_BF16, EMULATE,
-                                   DOT_PREC)
+    carry_nh = carry + i_nh.to(tl.int64) * (K * V)
+    S = _load_tile(carry_nh, K, V, v0, V, BK, BV)  # [BK, BV]
+    if LOOP_WHILE:  # the interpreter cannot range() over a loaded bound or an integer argument
+        wi = 0
+        while wi < n_win:
+            S = _walk_fwd_window(S, wi, i_nh, n_hv, v0, n, hv, table, seq_rows, w, u, qg, kd, aqk, gc, ckpt, h, o,
+                                 scale, HV, row0, s_ob, s_ot, s_oh, K, V, C, BK, BV, STORE_O, STORE_STATES, STORE_CKPT,
+                                 OP_BF16, EMULATE, DOT_PREC, LOOP_WHILE)
+            wi += 1
+    else:
+        for wi in range(0, n_win):
+            S = _walk_fwd_window(S, wi, i_nh, n_hv, v0, n, hv, table, seq_rows, w, u, qg, kd, aqk, gc, ckpt, h, o,
+                                 scale, HV, row0, s_ob, s_ot, s_oh, K, V, C, BK, BV, STORE_O, STORE_STATES, STORE_CKPT,
+                                 OP_BF16, EMULATE, DOT_PREC, LOOP_WHILE)
+    if STORE_CARRY:
         _store_tile(carry_nh, S, K, V, v0, V, BK, BV)
 
 
@@ -234,7 +261,7 @@ def _walk_bwd_step(dS, s, hv, v0, table, w, qg, kd, gc, do, dh, dvs, scale, HV, 
 
 @triton.jit
 def chunk_walk_bwd_kernel(
-    table, seq_rows, w, qg, kd, gc, do, carry, dh, dvs, scale, HV, s_db, s_dt, s_dh,
+    table, seq_rows, w, qg, kd, gc, do, carry, dh, dvs, scale, HV, row0, s_db, s_dt, s_dh,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     OP_BF16: tl.constexpr, EMULATE: tl.constexpr, DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr,
 ):
@@ -243,7 +270,7 @@ def chunk_walk_bwd_kernel(
     v0 = tl.program_id(1) * BV
     n = i_nh // HV
     hv = i_nh % HV
-    first = tl.load(seq_rows + 2 * n)
+    first = tl.load(seq_rows + 2 * n) - row0
     count = tl.load(seq_rows + 2 * n + 1)
     if count > 0:
         carry_nh = carry + i_nh.to(tl.int64) * (K * V)
@@ -362,15 +389,24 @@ def _flags(dtype: torch.dtype) -> dict:
 
 def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
                  qg: torch.Tensor, kd: torch.Tensor, aqk: torch.Tensor, gc: torch.Tensor, carry: torch.Tensor,
-                 h: torch.Tensor | None, o: torch.Tensor | None) -> None:
-    """The forward state walk over one window: h and V' (over u) when h is given, o's rows when o is given, the
-    carry in place."""
+                 h: torch.Tensor | None, o: torch.Tensor | None, *, row0: int = 0,
+                 checkpoints: torch.Tensor | None = None, store_carry: bool = True) -> None:
+    """The forward state walk over consecutive windows (``seq_rows`` int32 ``[n_win, N, 2]``: per window and
+    sequence, its first row of the chunk table and its chunk count; the slots and ``table`` hold rows ``row0``
+    on): h and V' (over u) when h is given, o's rows when o is given, the state entering each window into
+    ``checkpoints`` fp32 ``[n_win, N, HV, K, V]`` when given, and the carry (read at the start) written back
+    when ``store_carry``."""
     n, HV, K = _slot_dims("w", w, CHUNK)
     V = _slot_dims("u", u, CHUNK)[2]
-    N = _table_dims(table, seq_rows)
+    if not isinstance(seq_rows, torch.Tensor) or seq_rows.dtype != torch.int32 or seq_rows.dim() != 3 \
+            or seq_rows.shape[2] != 2:
+        raise TypeError(f"seq_rows must be an int32 tensor of shape [n_win, N, 2], got "
+                        f"{getattr(seq_rows, 'dtype', type(seq_rows).__name__)} {tuple(getattr(seq_rows, 'shape', ()))}")
+    n_win, N = seq_rows.shape[0], seq_rows.shape[1]
+    _table_dims(table, seq_rows[0])
     dt = w.dtype
     flags = _flags(dt)
-    for name, x, shape, dtype in (("table", table, (n, 4), torch.int32), ("seq_rows", seq_rows, (N, 2), torch.int32),
+    for name, x, shape, dtype in (("table", table, (n, 4), torch.int32), ("seq_rows", seq_rows, (n_win, N, 2), torch.int32),
                                   ("w", w, (n, HV, CHUNK, K), dt), ("u", u, (n, HV, CHUNK, V), dt),
                                   ("qg", qg, (n, HV, CHUNK, K), dt), ("kd", kd, (n, HV, CHUNK, K), dt),
                                   ("aqk", aqk, (n, HV, CHUNK, CHUNK), dt), ("gc", gc, (n, HV, CHUNK, K), torch.float32),
@@ -382,23 +418,32 @@ def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
         raise ValueError("run_walk_fwd needs h or o: with neither it would store nothing but the carry")
     if o is not None:
         _check_tokens("o", o, HV, V)
-    if N * HV == 0 or n == 0:
+    if checkpoints is not None:
+        check_slot("checkpoints", checkpoints, (n_win, N, HV, K, V), torch.float32)
+    if N * HV == 0 or n_win == 0:
+        return
+    if n == 0:  # windows without a chunk: the state passes through
+        if checkpoints is not None:
+            checkpoints.copy_(carry.expand_as(checkpoints))
         return
     kind = operand_kind(u.dtype)
     BV = walk_block_v(WALK_FWD_BLOCK_V[kind], N * HV, V, sm_count(u.device))
     so = o.stride()[:3] if o is not None else (0, 0, 0)
     chunk_walk_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
-        table, seq_rows, w, u, qg, kd, aqk, gc, carry, h if h is not None else u, o if o is not None else u,
-        float(opts.scale), HV, *so, K=K, V=V, C=CHUNK, BK=block_size(K), BV=BV, STORE_O=o is not None,
-        STORE_STATES=h is not None, **flags,
+        table, seq_rows, w, u, qg, kd, aqk, gc, carry, checkpoints if checkpoints is not None else carry,
+        h if h is not None else u, o if o is not None else u, float(opts.scale), HV, int(row0), n_win, *so,
+        K=K, V=V, C=CHUNK, BK=block_size(K), BV=BV, STORE_O=o is not None, STORE_STATES=h is not None,
+        STORE_CKPT=checkpoints is not None, STORE_CARRY=bool(store_carry), **flags,
         LOOP_WHILE=triton_interpreting(), num_warps=WALK_FWD_WARPS, num_stages=WALK_FWD_STAGES[kind],
     )
 
 
 def run_walk_bwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, w: torch.Tensor, qg: torch.Tensor,
                  kd: torch.Tensor, gc: torch.Tensor, do: torch.Tensor, carry: torch.Tensor, dh: torch.Tensor,
-                 dvs: torch.Tensor) -> None:
-    """The reverse state-gradient walk over one window: dh, dV' (over dvs), the carry (dS) in place."""
+                 dvs: torch.Tensor, *, row0: int = 0) -> None:
+    """The reverse state-gradient walk over one window (``seq_rows`` int32 ``[N, 2]``: per sequence, its first row
+    of the chunk table and its chunk count; the slots and ``table`` hold rows ``row0`` on): dh, dV' (over dvs),
+    the carry (dS) in place."""
     n, HV, K = _slot_dims("w", w, CHUNK)
     V = _slot_dims("dvs", dvs, CHUNK)[2]
     N = _table_dims(table, seq_rows)
@@ -415,7 +460,7 @@ def run_walk_bwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
         return
     BV = walk_block_v(WALK_BWD_BLOCK_V[operand_kind(w.dtype)], N * HV, V, sm_count(w.device))
     chunk_walk_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
-        table, seq_rows, w, qg, kd, gc, do, carry, dh, dvs, float(opts.scale), HV, *do.stride()[:3],
+        table, seq_rows, w, qg, kd, gc, do, carry, dh, dvs, float(opts.scale), HV, int(row0), *do.stride()[:3],
         K=K, V=V, C=CHUNK, BK=block_size(K), BV=BV, **flags, LOOP_WHILE=triton_interpreting(),
         num_warps=WALK_BWD_WARPS, num_stages=WALK_BWD_STAGES,
     )

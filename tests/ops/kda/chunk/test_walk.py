@@ -30,13 +30,14 @@ def _rnd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if dtype == torch.float32 else x.to(torch.bfloat16).double()
 
 
-def _seq_rows(rows, r0: int, r1: int, N: int) -> torch.Tensor:
-    """(first slot within the window, chunk count) of each sequence among table rows [r0, r1)."""
+def _seq_rows(rows, r0: int, r1: int, N: int, base: int | None = None) -> torch.Tensor:
+    """(first row counted from ``base`` (default r0: the first slot within the window), chunk count) of each
+    sequence among table rows [r0, r1)."""
     out = [[0, 0] for _ in range(N)]
     for i in range(r0, r1):
         n = rows[i][0]
         if out[n][1] == 0:
-            out[n][0] = i - r0
+            out[n][0] = i - (r0 if base is None else base)
         out[n][1] += 1
     return torch.tensor(out, dtype=torch.int32).reshape(N, 2)
 
@@ -164,10 +165,26 @@ def _run_fwd(opts, x, table, rows, N, windows, store_o):
     o = _view(o_wide, HV, V) if store_o else None
     carry = x["carry"].clone()
     for r0, r1 in windows:
+        # the table's own row numbers, with the slots and table starting at row0 = r0
         s = slice(r0, r1)
-        run_walk_fwd(opts, table[s], _seq_rows(rows, r0, r1, N), x["w"][s], u[s], x["qg"][s], x["kd"][s],
-                     x["aqk"][s], x["gc"][s], carry, h[s], o)
+        run_walk_fwd(opts, table[s], _seq_rows(rows, r0, r1, N, base=0)[None], x["w"][s], u[s], x["qg"][s],
+                     x["kd"][s], x["aqk"][s], x["gc"][s], carry, h[s], o, row0=r0)
     return h, u, o_wide, carry
+
+
+def _run_fwd_grouped(opts, x, table, rows, N, windows, states: bool):
+    """One launch over every window, checkpoints written (the recomputing forward without states)."""
+    n, HV, _, K = x["w"].shape
+    V = x["u"].shape[3]
+    u = x["u"].clone()
+    h = torch.full((n, HV, K, V), float("nan"), dtype=x["w"].dtype) if states else None
+    o_wide = x["o_wide"].clone()
+    carry = x["carry"].clone()
+    seq = torch.stack([_seq_rows(rows, r0, r1, N, base=0) for r0, r1 in windows])
+    ckpt = torch.full((len(windows), *carry.shape), float("nan"))
+    run_walk_fwd(opts, table, seq, x["w"], u, x["qg"], x["kd"], x["aqk"], x["gc"], carry, h, _view(o_wide, HV, V),
+                 checkpoints=ckpt)
+    return h, u, o_wide, carry, ckpt
 
 
 def _run_bwd(opts, x, table, rows, N, windows):
@@ -208,6 +225,23 @@ def test_walk_fwd(B, T, H, HV, seqlens, K, V, dtype):
     # two windows with the carry passed between them: the same bits as one window
     for got, want in zip(_run_fwd(opts, x, table, rows, N, two, True), runs[True]):
         assert torch.equal(got, want)
+    # both windows in one launch: the same bits, and the checkpoints are the states entering each window
+    h1, _, _, carry1 = _run_fwd(opts, x, table, rows, N, two[:1], True)
+    for states in (True, False):
+        h, u, o_wide, carry, ckpt = _run_fwd_grouped(opts, x, table, rows, N, two, states)
+        assert torch.equal(o_wide, runs[True][2]) and torch.equal(carry, runs[True][3])
+        assert torch.equal(ckpt[0], x["carry"]) and torch.equal(ckpt[1], carry1)
+        if states:
+            assert torch.equal(h, runs[True][0]) and torch.equal(u, runs[True][1])
+        else:  # the recomputing forward stores neither states nor V'
+            assert torch.equal(u, x["u"])
+    # the backward's recompute: from a checkpoint that it leaves as it is
+    start = x["carry"].clone()
+    u = x["u"].clone()
+    h = torch.full_like(runs[True][0], float("nan"))
+    run_walk_fwd(opts, table, _seq_rows(rows, 0, n, N)[None], x["w"], u, x["qg"], x["kd"], x["aqk"], x["gc"], start,
+                 h, None, store_carry=False)
+    assert torch.equal(start, x["carry"]) and torch.equal(h, runs[False][0]) and torch.equal(u, runs[False][1])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -259,9 +293,13 @@ def test_launcher_checks():
     }
     for name, value in bad.items():
         with pytest.raises((ValueError, TypeError), match=name):
-            run_walk_fwd(opts, table, seq, **dict(args, **{name: value}))
+            run_walk_fwd(opts, table, seq[None], **dict(args, **{name: value}))
     with pytest.raises((ValueError, TypeError), match="seq_rows"):
-        run_walk_fwd(opts, table, seq.long(), **args)
+        run_walk_fwd(opts, table, seq[None].long(), **args)
+    with pytest.raises((ValueError, TypeError), match="seq_rows"):
+        run_walk_fwd(opts, table, seq, **args)  # one window's [N, 2] without the window dimension
+    with pytest.raises((ValueError, TypeError), match="checkpoints"):
+        run_walk_fwd(opts, table, seq[None], **args, checkpoints=torch.empty(2, *x["carry"].shape))
     with pytest.raises((ValueError, TypeError), match="dvs"):
         run_walk_bwd(opts, table, seq, x["w"], x["qg"], x["kd"], x["gc"], x["do"], x["dcarry"], h,
                      x["dvs"].double())
@@ -300,11 +338,12 @@ for tok in ("bf16", "fp16", "fp32"):
     for bv in W.WALK_FWD_BLOCK_V[kind]:
         # the forward keeping its intermediates, the recomputing forward, the backward's recompute
         for store_o, states in ((True, True), (True, False), (False, True)):
+            # checkpoints: the recomputing forward's; the carry: every walk but the backward's recompute
             out[f"fwd/{tok}/bv={bv}/store_o={store_o}/states={states}"] = build(
                 W.chunk_walk_fwd_kernel, dict(table="*i32", seq_rows="*i32", w=T, u=T, qg=T, kd=T, aqk=T,
-                                              gc="*fp32", carry="*fp32", h=T, o=T, scale="fp32"),
-                dict(K=128, V=128, C=64, BK=128, BV=bv, STORE_O=store_o, STORE_STATES=states, LOOP_WHILE=False,
-                                     **fl),
+                                              gc="*fp32", carry="*fp32", ckpt="*fp32", h=T, o=T, scale="fp32"),
+                dict(K=128, V=128, C=64, BK=128, BV=bv, STORE_O=store_o, STORE_STATES=states,
+                     STORE_CKPT=store_o and not states, STORE_CARRY=store_o, LOOP_WHILE=False, **fl),
                 W.WALK_FWD_WARPS, W.WALK_FWD_STAGES[kind])
     for bv in W.WALK_BWD_BLOCK_V[kind]:
         out[f"bwd/{tok}/bv={bv}"] = build(
