@@ -384,8 +384,10 @@ def test_model_prices_the_gates_pipeline_and_a_named_one(capsys):
 
     safe, soft = one("--shapes", "1x8192:16"), one("--shapes", "1x8192:16:softplus")
     assert (safe["pipeline"], soft["pipeline"]) == ("windowed16", "chunk64")
-    fast = one("--shapes", "1x8192:16:softplus", "--pipeline", "chunk64_fast")
-    assert fast["pipeline"] == "chunk64_fast" and fast["peak_alloc_bytes"] > soft["peak_alloc_bytes"]
+    # at 96 heads the default windows are 1024 (recomputing) and 2048 (fast) tokens
+    soft96 = one("--shapes", "1x8192:96:softplus")
+    fast = one("--shapes", "1x8192:96:softplus", "--pipeline", "chunk64_fast")
+    assert fast["pipeline"] == "chunk64_fast" and fast["peak_alloc_bytes"] > soft96["peak_alloc_bytes"]
     w512 = one("--shapes", "1x8192:16:softplus", "--checkpoint-every", "512")
     assert w512["peak_alloc_bytes"] != soft["peak_alloc_bytes"]
     raw = one("--shapes", "1x8192:16", "--gate", "precomputed", "--no-gate-params")

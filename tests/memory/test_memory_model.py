@@ -333,12 +333,19 @@ def test_kdakit_model_prices_the_gates_default_pipeline(gate, pipeline):
     named = protocol_spec(1, 8192, 16, gate=gate, pipeline=pipeline, **extra)
     assert kdakit_model(named).peak_bytes == m.peak_bytes
     if pipeline == "chunk64":
-        # the default window is chunk_kda's, and the checkpoint cadence names the window
-        assert plan.window_tokens == 1024
+        # the default window is chunk_kda's (one sequence of 16 heads: 8192 tokens, chunk64_window), and the
+        # checkpoint cadence names the window
+        assert plan.window_tokens == 8192
+        assert kdakit_plan(protocol_spec(1, 8192, 96, gate=gate, **extra)).window_tokens == 1024
         w512 = kdakit_plan(protocol_spec(1, 8192, 16, gate=gate, checkpoint_every_n_tokens=512, **extra))
         assert w512.window_tokens == 512 and w512.predicted_peak_bytes != plan.predicted_peak_bytes
+        # at one window the recomputing pipeline holds everything the fast one does, and its checkpoint too; at
+        # 96 heads (1024- against 2048-token windows) the fast workspace costs more
         fast = kdakit_model(protocol_spec(1, 8192, 16, gate=gate, pipeline="chunk64_fast", **extra))
-        assert fast.peak_bytes > m.peak_bytes and fast.to_json()["pipeline"] == "chunk64_fast"
+        assert fast.peak_bytes < m.peak_bytes
+        lean96 = kdakit_model(protocol_spec(1, 8192, 96, gate=gate, **extra))
+        fast96 = kdakit_model(protocol_spec(1, 8192, 96, gate=gate, pipeline="chunk64_fast", **extra))
+        assert fast96.peak_bytes > lean96.peak_bytes and fast.to_json()["pipeline"] == "chunk64_fast"
         assert plan_kda(seqlens=[8192], H=16, K=128, gate=plan.gate, g_dtype=plan.g_dtype) == plan
 
 
