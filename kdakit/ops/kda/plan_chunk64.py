@@ -110,8 +110,8 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
       backward reads them, ``ctx.kept``). The carry is the final state when one is returned, else freed;
     * backward (``chunk_bwd``): dq, dk, dg, dv, dbeta; ``chunk64``: the forward slots again (one window); the
       backward slots (one window); dA_log ``[HV]`` and ddt_bias ``[HV, K]`` (fp32, zeros); the fp32 dS carry
-      (which is dh0; the recomputing walk starts from each window's checkpoint in place); per window with the gate's parameters the
-      ``.sum(0)`` temporaries of the per-chunk partials; at return the slots and carries go, then the kept
+      (which is dh0; the recomputing walk starts from each window's checkpoint in place); per window with the
+      gate's parameters the ``.sum(0)`` temporaries of the per-chunk partials; at return the slots and carries go, then the kept
       slots (``ctx.kept = None``), then dh0's cast to a bf16 initial state's dtype; the saved tensors are
       released after the backward returns.
 

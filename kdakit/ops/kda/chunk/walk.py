@@ -401,12 +401,13 @@ def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
     if not isinstance(seq_rows, torch.Tensor) or seq_rows.dtype != torch.int32 or seq_rows.dim() != 3 \
             or seq_rows.shape[2] != 2:
         raise TypeError(f"seq_rows must be an int32 tensor of shape [n_win, N, 2], got "
-                        f"{getattr(seq_rows, 'dtype', type(seq_rows).__name__)} {tuple(getattr(seq_rows, 'shape', ()))}")
+                        f"{getattr(seq_rows, 'dtype', type(seq_rows).__name__)} "
+                        f"{tuple(getattr(seq_rows, 'shape', ()))}")
     n_win, N = seq_rows.shape[0], seq_rows.shape[1]
-    _table_dims(table, seq_rows[0])
     dt = w.dtype
     flags = _flags(dt)
-    for name, x, shape, dtype in (("table", table, (n, 4), torch.int32), ("seq_rows", seq_rows, (n_win, N, 2), torch.int32),
+    for name, x, shape, dtype in (("table", table, (n, 4), torch.int32),
+                                  ("seq_rows", seq_rows, (n_win, N, 2), torch.int32),
                                   ("w", w, (n, HV, CHUNK, K), dt), ("u", u, (n, HV, CHUNK, V), dt),
                                   ("qg", qg, (n, HV, CHUNK, K), dt), ("kd", kd, (n, HV, CHUNK, K), dt),
                                   ("aqk", aqk, (n, HV, CHUNK, CHUNK), dt), ("gc", gc, (n, HV, CHUNK, K), torch.float32),

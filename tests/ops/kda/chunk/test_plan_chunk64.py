@@ -178,8 +178,8 @@ def test_plan_prices_every_allocation_of_the_step(name):
     assert tr.peak == peak
     # the windows' geometry is the chunk plan's own
     lengths = list(plan.seqlens) if x.get("cu_seqlens") is not None else None
-    cp = chunk_plan.make_chunk_plan(plan.B, plan.T, lengths, "cpu", window,
-                                    slot_geometry=(plan.H, plan.HV, plan.K, plan.V, plan.dtype, plan.g_dtype or plan.dtype))
+    geometry = (plan.H, plan.HV, plan.K, plan.V, plan.dtype, plan.g_dtype or plan.dtype)
+    cp = chunk_plan.make_chunk_plan(plan.B, plan.T, lengths, "cpu", window, slot_geometry=geometry)
     assert (plan.num_windows, plan.max_slots, plan.num_chunks) == (cp.n_windows, cp.max_slots, cp.table.shape[0])
     assert plan.forward_slots == (cp.table.shape[0] if pipeline == "chunk64_fast" else cp.forward_slots)
     if name == "forward_groups_softplus":
