@@ -41,8 +41,8 @@ def chunk64_forward_groups(window_rows: Sequence[int], *, B: int, T: int, H: int
     """The recomputing forward's groups of consecutive windows, ``(((w0, w1), ...), the largest group's rows)``.
 
     The forward runs its state-independent stages (prep, intra, wu) once per group, over every row of the
-    group's windows, and then walks the group window by window (each window's checkpoint is the state entering
-    it). Larger groups mean fewer, fuller launches. The forward's slots are free memory up to what the
+    group's windows, and then walks the group's windows in one launch (each window's checkpoint is the state
+    entering it). Larger groups mean fewer, fuller launches. The forward's slots are free memory up to what the
     backward holds at its peak and the forward does not: the backward's own slots of the largest window and
     the five token gradients. A group's rows stay within ``max_slots + (backward slots + gradients) / forward
     bytes a row``, so the forward's slots never exceed the backward's scratch plus the gradients, and the
