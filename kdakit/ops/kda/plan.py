@@ -649,7 +649,7 @@ def _plan_chunk64(pipeline, gate, B, T, H, HV, K, V, dtype, g_dtype, lengths, va
     """``plan_kda`` of a 64-token pipeline (``plan_chunk64.chunk64_step``: the allocations in program order)."""
     N = len(lengths)
     keep = pipeline == "chunk64_fast"
-    n_rows, n_windows, max_slots, nonempty = chunk64_windows(lengths, window)
+    n_rows, n_windows, max_slots, _ = chunk64_windows(lengths, window)
     _, forward_slots = chunk64_forward_groups(chunk64_window_rows(lengths, window), B=B, T=T, H=H, HV=HV, K=K,
                                               V=V, dtype=dtype, g_dtype=g_dtype)
     allocs, events, add, free = _recorder()
@@ -657,8 +657,7 @@ def _plan_chunk64(pipeline, gate, B, T, H, HV, K, V, dtype, g_dtype, lengths, va
                     gate_params=gate_params, initial_state=initial_state, initial_state_dtype=initial_state_dtype)
     scratch = chunk64_step(add, free, events, pipeline=pipeline, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, dtype=dtype,
                            g_dtype=g_dtype, n_rows=n_rows, n_windows=n_windows, max_slots=max_slots,
-                           forward_slots=forward_slots,
-                           nonempty=nonempty, initial_state=initial_state, initial_state_dtype=initial_state_dtype,
+                           forward_slots=forward_slots, initial_state=initial_state, initial_state_dtype=initial_state_dtype,
                            output_final_state=output_final_state, gate_params=gate_params)
     f32 = torch.float32
 
@@ -669,7 +668,7 @@ def _plan_chunk64(pipeline, gate, B, T, H, HV, K, V, dtype, g_dtype, lengths, va
 
     floor = total(lambda a: a.group in ("inputs/dO/O", "gradient outputs"))
     saved = total(lambda a: a.phase == "saved")
-    bwd_ws = total(lambda a: a.name in scratch or a.name == "ddt_bias_sum")
+    bwd_ws = total(lambda a: a.name in scratch)
     fwd_ws = total(lambda a: a.phase == "forward" and a.group in ("workspace", "recompute intermediates")
                    and not a.name.startswith("chunk_"))
     return KDAPlan(

@@ -90,12 +90,11 @@ def chunk64_backward_slots(n: int, HV: int, K: int, V: int, dtype: torch.dtype) 
     f32, C = torch.float32, CHUNK64
     return [("dh", (n, HV, K, V), dtype), ("daqk", (n, HV, C, C), f32), ("dvs", (n, HV, C, V), f32),
             ("dakk", (n, HV, C, C), f32), ("dqh", (n, HV, C, K), f32), ("dkh", (n, HV, C, K), f32),
-            ("dgs", (n, HV, C, K), f32), ("dgc", (n, HV, K), f32), ("dbs", (n, HV, C), f32),
-            ("dalog", (n, HV), f32), ("dbias", (n, HV, K), f32)]
+            ("dgs", (n, HV, C, K), f32), ("dgc", (n, HV, K), f32), ("dbs", (n, HV, C), f32)]
 
 
 def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_dtype, n_rows, n_windows,
-                 max_slots, forward_slots, nonempty, initial_state, initial_state_dtype, output_final_state,
+                 max_slots, forward_slots, initial_state, initial_state_dtype, output_final_state,
                  gate_params) -> list[str]:
     """The step after the caller's tensors, allocation by allocation in program order (``chunk64_kda``), through
     ``add`` / ``free`` / ``events`` (``plan._recorder``); returns the names of the backward's scratch.
@@ -109,11 +108,12 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
       return); ``chunk64_fast``: the slots of every chunk (saved: the
       backward reads them, ``ctx.kept``). The carry is the final state when one is returned, else freed;
     * backward (``chunk_bwd``): dq, dk, dg, dv, dbeta; ``chunk64``: the forward slots again (one window); the
-      backward slots (one window); dA_log ``[HV]`` and ddt_bias ``[HV, K]`` (fp32, zeros); the fp32 dS carry
-      (which is dh0; the recomputing walk starts from each window's checkpoint in place); per window with the
-      gate's parameters the ``.sum(0)`` temporaries of the per-chunk partials; at return the slots and carries go, then the kept
-      slots (``ctx.kept = None``), then dh0's cast to a bf16 initial state's dtype; the saved tensors are
-      released after the backward returns.
+      backward slots (one window); with the gate's parameters their per-chunk partials for every chunk of the
+      call (fp32 ``[chunks, HV]`` and ``[chunks, HV, K]``); the fp32 dS carry (which is dh0; the recomputing walk
+      starts from each window's checkpoint in place); after the last window dA_log ``[HV]`` and ddt_bias
+      ``[HV, K]``, the partials' sums; at return the slots, partials and carries go, then the kept slots
+      (``ctx.kept = None``), then dh0's cast to a bf16 initial state's dtype; the saved tensors are released
+      after the backward returns.
 
     dq and dk come out of the finishing kernel already summed over a GVA group (no per-value-head partials
     beyond the window's dqh / dkh slots)."""
@@ -163,8 +163,9 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
         add("bwd_" + name, shape, dt, "stage buffers", "backward")
         scratch.append("bwd_" + name)
     if gate_params:
-        add("dA_log", (HV,), f32, "gradient outputs", "backward")
-        add("ddt_bias", (HV, K), f32, "gradient outputs", "backward")
+        add("dA_log_rows", (n_rows, HV), f32, "stage buffers", "backward")
+        add("ddt_bias_rows", (n_rows, HV, K), f32, "stage buffers", "backward")
+        scratch += ["dA_log_rows", "ddt_bias_rows"]
     h0_cast = initial_state and initial_state_dtype != f32
     if not initial_state:
         dcarry = "bwd_state_grad_carry"
@@ -174,12 +175,8 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
         add("d_initial_state_fp32" if h0_cast else "d_initial_state", state, f32,
             "stage buffers" if h0_cast else "gradient outputs", "backward")
     if gate_params:
-        add("dA_log_sum", (HV,), f32, "workspace", "backward", live=False)
-        add("ddt_bias_sum", (HV, K), f32, "workspace", "backward", live=False)
-        for _ in range(nonempty):
-            for name in ("dA_log_sum", "ddt_bias_sum"):
-                events.append(("alloc", name))
-                free(name)
+        add("dA_log", (HV,), f32, "gradient outputs", "backward")
+        add("ddt_bias", (HV, K), f32, "gradient outputs", "backward")
     events.append(("mark", "backward kernels"))
     free(*scratch)
     if keep:

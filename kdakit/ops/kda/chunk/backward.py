@@ -31,8 +31,6 @@ def backward_slots(n: int, HV: int, K: int, V: int, dtype: torch.dtype, device) 
         dgs=torch.empty(n, HV, CHUNK, K, dtype=f32, device=device),
         dgc=torch.empty(n, HV, K, dtype=f32, device=device),
         dbs=torch.empty(n, HV, CHUNK, dtype=f32, device=device),
-        dalog=torch.empty(n, HV, dtype=f32, device=device),
-        dbias=torch.empty(n, HV, K, dtype=f32, device=device),
     )
 
 
@@ -48,9 +46,10 @@ def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, c
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     s = forward_slots(plan.max_slots, H, HV, K, V, q.dtype, dev) if kept is None else None
     b = backward_slots(plan.max_slots, HV, K, V, q.dtype, dev)
-    gate_params = opts.use_gate_in_kernel
-    dA_log = torch.zeros(HV, dtype=torch.float32, device=dev) if A_log is not None else None
-    ddt_bias = torch.zeros(HV, K, dtype=torch.float32, device=dev) if dt_bias is not None else None
+    # the gate parameters' per-chunk partials for the whole call, summed once after the last window
+    n_rows = plan.table.shape[0]
+    dalog_rows = torch.empty(n_rows, HV, dtype=torch.float32, device=dev) if A_log is not None else None
+    dbias_rows = torch.empty(n_rows, HV, K, dtype=torch.float32, device=dev) if dt_bias is not None else None
     dcarry = torch.zeros(plan.n_seqs, HV, K, V, dtype=torch.float32, device=dev)
     if dht is not None:
         dcarry.copy_(dht.transpose(-1, -2) if opts.state_v_first else dht)
@@ -76,13 +75,11 @@ def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, c
         run_grads_intra(opts, rows, q, k, x["gc"], x["bt"], x["rq"], x["rk"], y["daqk"], y["dakk"], y["dqh"],
                         y["dkh"], y["dgs"], y["dbs"])
         run_finish(opts, rows, q, k, g, beta, A_log, dt_bias, x["rq"], x["rk"], y["dqh"], y["dkh"], y["dgs"],
-                   y["dgc"], y["dbs"], dq, dk, dg, dbeta, y["dalog"] if gate_params else None,
-                   y["dbias"] if gate_params else None)
-        if dA_log is not None:
-            dA_log += y["dalog"].sum(0)
-        if ddt_bias is not None:
-            ddt_bias += y["dbias"].sum(0)
+                   y["dgc"], y["dbs"], dq, dk, dg, dbeta, dalog_rows[r0:r1] if dalog_rows is not None else None,
+                   dbias_rows[r0:r1] if dbias_rows is not None else None)
+    dA_log = dalog_rows.sum(0) if dalog_rows is not None else None
+    ddt_bias = dbias_rows.sum(0).flatten() if dbias_rows is not None else None
     dh0 = None
     if initial_state is not None:
         dh0 = dcarry.transpose(-1, -2) if opts.state_v_first else dcarry
-    return dq, dk, dv, dg, dbeta, dA_log, (ddt_bias.flatten() if ddt_bias is not None else None), dh0
+    return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
