@@ -621,7 +621,8 @@ def run_parent(args) -> int:
         shapes = common.parse_list(args.shapes, None, "--shapes")
         for s in shapes:
             common.parse_shape(s)
-        cells = [(g, s) for g in gates for s in shapes]
+        # shape-major: every gate at a shape before the next shape, so a cut budget loses the last (longest) shape
+        cells = [(g, s) for s in shapes for g in gates]
     else:
         cells = [(None, f"1x{int(t)}") for t in common.parse_list(args.tokens, None, "--tokens")]
     jobs = plan_jobs(cells, keys, args.process)

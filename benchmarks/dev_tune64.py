@@ -37,7 +37,10 @@ VARIANTS = {
     "chunk_grads_wy_dv_kernel": ("grads", [{}, {"GRADS_WY_DV_BLOCKS": {"bf16": (64, 128), "fp32": (64, 32)}},
                                            {"GRADS_WY_DV_BLOCKS": {"bf16": (128, 64), "fp32": (64, 32)}}]),
     "chunk_grads_intra_kernel": ("grads_intra", [
-        {}, {"GRADS_INTRA_BLOCK_K": 64}, {"GRADS_INTRA_NUM_WARPS": {"bf16": 4, "fp32": 4}}]),
+        {}, {"GRADS_INTRA_BLOCK_K": 64}, {"GRADS_INTRA_NUM_WARPS": {"bf16": 4, "fp32": 4}},
+        {"GRADS_INTRA_NUM_WARPS": {"bf16": 8, "fp32": 8}},
+        {"GRADS_INTRA_BLOCK_K": 64, "GRADS_INTRA_NUM_WARPS": {"bf16": 4, "fp32": 4}},
+        {"GRADS_INTRA_BLOCK_K": 64, "GRADS_INTRA_NUM_WARPS": {"bf16": 8, "fp32": 8}}]),
     "chunk_finish_kernel": ("finish", [{}, {"FINISH_NUM_WARPS": 8}, {"FINISH_NUM_WARPS": 2}]),
     "chunk_dav_kernel": ("walk", [{}, {"DAV_BLOCK_V": {"bf16": 64, "fp32": 32}}]),
 }

@@ -49,7 +49,7 @@ def chunk64_forward_groups(window_rows: Sequence[int], *, B: int, T: int, H: int
     forward does not set the step's peak; of the fewest groups that fit, the rows are spread as evenly as the
     windows allow."""
     max_slots = max(window_rows, default=0)
-    per_row = _bytes(chunk64_forward_slots(1, H, HV, K, V, dtype, states=False))
+    per_row = _bytes(chunk64_forward_slots(1, H, HV, K, V, dtype, states=False, pairs=False))
     bwd = _bytes(chunk64_backward_slots(max_slots, HV, K, V, dtype))
     grads = B * T * (2 * H * K * dtype.itemsize + HV * K * g_dtype.itemsize + HV * V * dtype.itemsize
                      + HV * dtype.itemsize)
@@ -75,13 +75,19 @@ def _greedy_groups(window_rows: Sequence[int], cap: int) -> tuple[tuple[int, int
     return tuple(groups)
 
 
-def chunk64_forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, states: bool = True) -> list:
+def chunk64_forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, states: bool = True,
+                          pairs: bool = True, intra_scratch: bool = True) -> list:
     """``(name, shape, dtype)`` of ``chunk.forward.forward_slots`` for n rows, in its order."""
     f32, C = torch.float32, CHUNK64
-    slots = [("gc", (n, HV, C, K), f32), ("bt", (n, HV, C), f32), ("rq", (n, H, C), f32), ("rk", (n, H, C), f32),
-             ("aqk", (n, HV, C, C), dtype), ("akk_d", (n, HV, C, 16), f32), ("tinv", (n, HV, C, C), dtype),
-             ("w", (n, HV, C, K), dtype), ("qg", (n, HV, C, K), dtype), ("kd", (n, HV, C, K), dtype),
-             ("u", (n, HV, C, V), dtype)]
+    slots = [("gc", (n, HV, C, K), f32), ("bt", (n, HV, C), f32), ("rq", (n, H, C), f32), ("rk", (n, H, C), f32)]
+    if pairs:
+        slots.append(("aqk", (n, HV, C, C), dtype))
+    if intra_scratch:
+        slots.append(("akk_d", (n, HV, C, 16), f32))
+    if pairs:
+        slots.append(("tinv", (n, HV, C, C), dtype))
+    slots += [("w", (n, HV, C, K), dtype), ("qg", (n, HV, C, K), dtype), ("kd", (n, HV, C, K), dtype),
+              ("u", (n, HV, C, V), dtype)]
     return slots + [("h", (n, HV, K, V), dtype)] if states else slots
 
 
@@ -103,11 +109,13 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
       ``seq_rows`` int32 ``[windows, N, 2]``), built by a call's first step and kept by the plan cache across
       calls, so they are live through every step (allocated first here, never freed);
     * forward (``chunk_fwd``): o; the fp32 state carry (zeros, or the initial state's fp32 copy: a bf16 state
-      goes through an fp32 cast first); ``chunk64``: the fp32 checkpoints ``[windows, N, HV, K, V]`` (saved) and
-      the slots of the largest group of windows (``chunk64_forward_groups``; no per-chunk states; freed at
-      return); ``chunk64_fast``: the slots of every chunk (saved: the
-      backward reads them, ``ctx.kept``). The carry is the final state when one is returned, else freed;
-    * backward (``chunk_bwd``): dq, dk, dg, dv, dbeta; ``chunk64``: the forward slots again (one window); the
+      goes through an fp32 cast first); ``chunk64``: the fp32 checkpoints ``[windows, N, HV, K, V]`` and aqk,
+      tinv of every chunk (saved: ``ctx.kept``), then the other slots of the largest group of windows
+      (``chunk64_forward_groups``; no per-chunk states; freed at return); ``chunk64_fast``: the slots of every
+      chunk (saved: the backward reads them, ``ctx.kept``). The carry is the final state when one is returned,
+      else freed;
+    * backward (``chunk_bwd``): dq, dk, dg, dv, dbeta; ``chunk64``: the forward slots again but the pairs and
+      akk_d (one window: the backward reads the saved aqk, tinv and runs no intra stage); the
       backward slots (one window); with the gate's parameters their per-chunk partials for every chunk of the
       call (fp32 ``[chunks, HV]`` and ``[chunks, HV, K]``); the fp32 dS carry (which is dh0; the recomputing walk
       starts from each window's checkpoint in place); after the last window dA_log ``[HV]`` and ddt_bias
@@ -135,8 +143,12 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
         add(carry, state, f32, carry_group, "forward")
     if not keep:
         add("checkpoints", (n_windows,) + state, f32, "state checkpoints", "saved")
-    fwd_slots = ["fwd_" + name for name, _, _ in chunk64_forward_slots(0, H, HV, K, V, dtype, states=keep)]
-    for name, shape, dt in chunk64_forward_slots(n_rows if keep else forward_slots, H, HV, K, V, dtype, states=keep):
+        for name in ("aqk", "tinv"):
+            add("saved_" + name, (n_rows, HV, CHUNK64, CHUNK64), dtype, "saved forward activations", "saved")
+    fwd_slots = ["fwd_" + name for name, _, _ in chunk64_forward_slots(0, H, HV, K, V, dtype, states=keep,
+                                                                         pairs=keep)]
+    for name, shape, dt in chunk64_forward_slots(n_rows if keep else forward_slots, H, HV, K, V, dtype, states=keep,
+                                                 pairs=keep):
         if keep:
             add("fwd_" + name, shape, dt, "saved forward activations", "saved")
         else:
@@ -156,7 +168,7 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
         add(name, shape, dt, "gradient outputs", "backward")
     scratch = []
     if not keep:
-        for name, shape, dt in chunk64_forward_slots(max_slots, H, HV, K, V, dtype):
+        for name, shape, dt in chunk64_forward_slots(max_slots, H, HV, K, V, dtype, pairs=False, intra_scratch=False):
             add("bwd_" + name, shape, dt, "recompute intermediates", "backward")
             scratch.append("bwd_" + name)
     for name, shape, dt in chunk64_backward_slots(max_slots, HV, K, V, dtype):
@@ -179,8 +191,7 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
         add("ddt_bias", (HV, K), f32, "gradient outputs", "backward")
     events.append(("mark", "backward kernels"))
     free(*scratch)
-    if keep:
-        free(*fwd_slots)
+    free(*(fwd_slots if keep else ("saved_aqk", "saved_tinv")))
     if h0_cast:
         add("d_initial_state", state, initial_state_dtype, "gradient outputs", "backward")
         events.append(("mark", "initial-state gradient cast"))

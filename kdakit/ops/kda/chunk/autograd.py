@@ -1,8 +1,8 @@
 """The 64-token pipeline's autograd Function and its entry point (``chunk64_kda``): validated inputs and their
 ``KDAOptions`` in, ``(o, final_state)`` out.
 
-Saved for the backward: the inputs autograd already holds and the state entering every window
-(``forward.chunk_fwd``); nothing else that grows with T. Token tensors may be strided views (the kernels read
+Saved for the backward: the inputs autograd already holds, the state entering every window and the intra
+stage's pairwise matrices (``forward.chunk_fwd``; with the fast workspace every per-chunk intermediate instead). Token tensors may be strided views (the kernels read
 their strides; only the last dimension must be unit-stride).
 """
 
@@ -23,11 +23,12 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class Chunk64Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, plan: ChunkPlan, opts: KDAOptions,
-                keep: bool):
-        o, final, checkpoints, kept = chunk_fwd(q, k, v, g, beta, opts=opts, plan=plan, A_log=A_log,
-                                                dt_bias=dt_bias, initial_state=initial_state, keep=keep)
+                keep: bool, save: bool):
+        o, final, checkpoints, saved = chunk_fwd(q, k, v, g, beta, opts=opts, plan=plan, A_log=A_log,
+                                                 dt_bias=dt_bias, initial_state=initial_state, keep=keep and save,
+                                                 save=save)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, checkpoints)
-        ctx.plan, ctx.opts, ctx.kept = plan, opts, kept
+        ctx.plan, ctx.opts, ctx.keep, ctx.kept = plan, opts, keep and save, saved
         return o, final
 
     @staticmethod
@@ -38,11 +39,11 @@ class Chunk64Function(torch.autograd.Function):
             do = do.contiguous()
         dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = chunk_bwd(
             q, k, v, g, beta, do, dht, opts=ctx.opts, plan=ctx.plan, checkpoints=checkpoints, A_log=A_log,
-            dt_bias=dt_bias, initial_state=initial_state, kept=ctx.kept)
+            dt_bias=dt_bias, initial_state=initial_state, saved=ctx.kept, keep=ctx.keep)
         ctx.kept = None
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None
+        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None
 
 
 def chunk64_kda(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions,
@@ -64,8 +65,9 @@ def chunk64_kda(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, 
     plan = make_chunk_plan(q.shape[0], q.shape[1], seqlens, q.device, window_tokens,
                            slot_geometry=(q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype, g.dtype))
     # without a backward to come (inference, torch.no_grad, no input needing a gradient) nothing is kept
+    # beyond the checkpoints: the forward's slots are group-sized
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias, initial_state))
     o, final = Chunk64Function.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, plan, opts,
-                                     bool(keep_intermediates) and needs_grad)
+                                     bool(keep_intermediates), needs_grad)
     return o, (final if opts.output_final_state else None)

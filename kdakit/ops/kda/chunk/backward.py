@@ -35,16 +35,17 @@ def backward_slots(n: int, HV: int, K: int, V: int, dtype: torch.dtype, device) 
 
 
 def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, checkpoints, A_log, dt_bias,
-              initial_state, kept: dict | None = None):
+              initial_state, saved: dict, keep: bool):
     """-> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0): input dtypes; dA_log / ddt_bias fp32 (None without the
-    in-kernel gate's parameters); dh0 fp32 in the call's layout (None without an initial state). ``kept``: the
-    forward's whole-call slots (``chunk_fwd(keep=True)``), read instead of recomputing each window's."""
+    in-kernel gate's parameters); dh0 fp32 in the call's layout (None without an initial state). ``saved``: the
+    forward's whole-call slots ``chunk_fwd`` returned: with ``keep`` every slot, read instead of recomputing each
+    window's; else aqk and tinv, and a window recomputes prep, wu and its states."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
-    s = forward_slots(plan.max_slots, H, HV, K, V, q.dtype, dev) if kept is None else None
+    s = None if keep else forward_slots(plan.max_slots, H, HV, K, V, q.dtype, dev, pairs=False, intra_scratch=False)
     b = backward_slots(plan.max_slots, HV, K, V, q.dtype, dev)
     # the gate parameters' per-chunk partials for the whole call, summed once after the last window
     n_rows = plan.table.shape[0]
@@ -58,10 +59,12 @@ def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, c
         if r1 == r0:
             continue
         rows, n = plan.table[r0:r1], r1 - r0
-        if kept is not None:
-            x = {name: t[r0:r1] for name, t in kept.items()}
+        if keep:
+            x = {name: t[r0:r1] for name, t in saved.items()}
         else:
-            x = window_intermediates(opts, rows, s, q, k, v, g, beta, A_log, dt_bias)
+            x = {name: t[:n] for name, t in s.items()}
+            x.update({name: t[r0:r1] for name, t in saved.items()})
+            x = window_intermediates(opts, rows, x, q, k, v, g, beta, A_log, dt_bias, intra=False)
             # the window's states from its checkpoint, which stays as it is (store_carry=False)
             run_walk_fwd(opts, rows, plan.seq_rows[w:w + 1], x["w"], x["u"], x["qg"], x["kd"], x["aqk"], x["gc"],
                          checkpoints[w], x["h"], None, row0=r0, store_carry=False)

@@ -2,13 +2,15 @@
 stages (prep, intra, wu) in parallel over the window's chunks and value heads, then the state walk, which
 carries each sequence's state from window to window and writes o.
 
-Saved for the backward: the state entering every window (``checkpoints``, fp32 ``[n_windows, N, HV, K, V]``);
-the backward recomputes a window's intermediates from it. The forward runs its state-independent stages once
-per group of consecutive windows (``ChunkPlan.forward_groups``: as many as fit in the memory the backward's
-scratch and gradients will need anyway), then walks the group's windows in one launch, which also writes their
-checkpoints; its scratch (the slot tensors) is sized by the largest group and reused by every group. With ``keep=True`` (the plan's fast workspace) the slots are sized by the
-whole call instead, each window writes its own rows, and the backward reads them instead of recomputing
-(about 2.4 KB per token and value head at K = V = 128 in bf16).
+Saved for the backward: the state entering every window (``checkpoints``, fp32 ``[n_windows, N, HV, K, V]``)
+and the intra stage's outputs for every chunk (aqk and tinv, ``[n, HV, C, C]`` in the token dtype: 256 bytes a
+token and value head); the backward recomputes the rest of a window's intermediates (prep, wu, the states) from
+them. The forward runs its state-independent stages once per group of consecutive windows
+(``ChunkPlan.forward_groups``: as many as fit in the memory the backward's scratch and gradients will need
+anyway), then walks the group's windows in one launch, which also writes their checkpoints; its other scratch
+(the slot tensors) is sized by the largest group and reused by every group. With ``keep=True`` (the plan's fast
+workspace) every slot is sized by the whole call instead, each window writes its own rows, and the backward
+reads them instead of recomputing (about 2.4 KB per token and value head at K = V = 128 in bf16).
 """
 
 from __future__ import annotations
@@ -23,18 +25,29 @@ from kdakit.ops.kda.chunk.walk import run_walk_fwd
 from kdakit.ops.kda.options import KDAOptions
 
 
-def forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, device, states: bool = True) -> dict:
+PAIRS = ("aqk", "tinv")  # the pairwise matrices: the recomputing forward keeps them for the whole call
+
+
+def forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, device, states: bool = True,
+                  pairs: bool = True, intra_scratch: bool = True) -> dict:
     """The forward's slot tensors for n chunks (docs/chunk_pipeline.md, "Slot tensors"); ``states``: with the
-    per-chunk states ``h``, which only a backward reads (the recomputing forward's walk stores no states)."""
+    per-chunk states ``h``, which only a backward reads (the recomputing forward's walk stores no states);
+    ``pairs``: with aqk and tinv (``PAIRS``; the recomputing pipeline holds them for the whole call instead);
+    ``intra_scratch``: with akk_d, which only the intra stage uses (a backward that reads kept pairs has none)."""
     f32 = torch.float32
     slots = dict(
         gc=torch.empty(n, HV, CHUNK, K, dtype=f32, device=device),
         bt=torch.empty(n, HV, CHUNK, dtype=f32, device=device),
         rq=torch.empty(n, H, CHUNK, dtype=f32, device=device),
         rk=torch.empty(n, H, CHUNK, dtype=f32, device=device),
-        aqk=torch.empty(n, HV, CHUNK, CHUNK, dtype=dtype, device=device),
-        akk_d=torch.empty(n, HV, CHUNK, SUB, dtype=f32, device=device),
-        tinv=torch.empty(n, HV, CHUNK, CHUNK, dtype=dtype, device=device),
+    )
+    if pairs:
+        slots["aqk"] = torch.empty(n, HV, CHUNK, CHUNK, dtype=dtype, device=device)
+    if intra_scratch:
+        slots["akk_d"] = torch.empty(n, HV, CHUNK, SUB, dtype=f32, device=device)
+    if pairs:
+        slots["tinv"] = torch.empty(n, HV, CHUNK, CHUNK, dtype=dtype, device=device)
+    slots.update(
         w=torch.empty(n, HV, CHUNK, K, dtype=dtype, device=device),
         qg=torch.empty(n, HV, CHUNK, K, dtype=dtype, device=device),
         kd=torch.empty(n, HV, CHUNK, K, dtype=dtype, device=device),
@@ -45,13 +58,20 @@ def forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, d
     return slots
 
 
-def window_intermediates(opts: KDAOptions, rows: torch.Tensor, s: dict, q, k, v, g, beta, A_log, dt_bias) -> dict:
+def pair_slots(n: int, HV: int, dtype: torch.dtype, device) -> dict:
+    """aqk and tinv ``[n, HV, C, C]`` in the token dtype for every chunk of the call (``PAIRS``)."""
+    return {name: torch.empty(n, HV, CHUNK, CHUNK, dtype=dtype, device=device) for name in PAIRS}
+
+
+def window_intermediates(opts: KDAOptions, rows: torch.Tensor, s: dict, q, k, v, g, beta, A_log, dt_bias,
+                         intra: bool = True) -> dict:
     """prep, intra and wu of the chunk table's ``rows`` into the first ``len(rows)`` slots of ``s``; returns those
-    slot views."""
+    slot views. ``intra`` False: aqk and tinv are already in ``s`` (kept by the forward), only prep and wu run."""
     n = rows.shape[0]
     x = {name: t[:n] for name, t in s.items()}
     run_prep(opts, rows, q, k, g, beta, A_log, dt_bias, x["gc"], x["bt"], x["rq"], x["rk"])
-    run_intra(opts, rows, q, k, x["gc"], x["bt"], x["rq"], x["rk"], x["aqk"], x["akk_d"], x["tinv"])
+    if intra:
+        run_intra(opts, rows, q, k, x["gc"], x["bt"], x["rq"], x["rk"], x["aqk"], x["akk_d"], x["tinv"])
     run_wu(opts, rows, q, k, v, x["gc"], x["bt"], x["rq"], x["rk"], x["tinv"], x["w"], x["u"], x["qg"], x["kd"])
     return x
 
@@ -65,9 +85,11 @@ def state_carry(initial_state, N: int, HV: int, K: int, V: int, v_first: bool, d
 
 
 def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_bias, initial_state,
-              keep: bool = False):
+              keep: bool = False, save: bool = True):
     """-> (o ``[B, T, HV, V]`` in v's dtype, final state fp32 in the call's layout or None, the checkpoints (None
-    when ``keep``), the whole call's slots when ``keep`` else None)."""
+    when ``keep``), the slots the backward reads: with ``keep`` every slot of the whole call, else aqk and tinv
+    of the whole call (``pair_slots``); None when ``save`` is False, i.e. no backward will come, and then aqk and
+    tinv are group slots like the others)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
@@ -75,17 +97,22 @@ def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_
     # kept slots: the backward reads them, so it needs no checkpoints, and every stage runs once over every chunk
     checkpoints = None if keep else torch.empty(plan.n_windows, *carry.shape, dtype=torch.float32, device=q.device)
     n_rows = plan.table.shape[0]
-    s = forward_slots(n_rows if keep else plan.forward_slots, H, HV, K, V, q.dtype, q.device, states=keep)
+    pairs = pair_slots(n_rows, HV, q.dtype, q.device) if save and not keep else None
+    s = forward_slots(n_rows if keep else plan.forward_slots, H, HV, K, V, q.dtype, q.device, states=keep,
+                      pairs=pairs is None)
     if keep and n_rows:
         window_intermediates(opts, plan.table, s, q, k, v, g, beta, A_log, dt_bias)
     groups = ((0, plan.n_windows),) if keep else plan.forward_groups
     for w0, w1 in groups:
         g0, g1 = plan.window_rows[w0][0], plan.window_rows[w1 - 1][1]
-        if not keep and g1 > g0:
-            # the group's state-independent stages in one launch each, into slots 0 .. g1 - g0
-            window_intermediates(opts, plan.table[g0:g1], s, q, k, v, g, beta, A_log, dt_bias)
         base = 0 if keep else g0
         x = {name: t[:g1 - base] for name, t in s.items()}
+        if not keep:
+            if pairs is not None:  # the group's own rows of the whole-call pairs
+                x.update({name: t[g0:g1] for name, t in pairs.items()})
+            if g1 > g0:
+                # the group's state-independent stages in one launch each, into slots 0 .. g1 - g0
+                window_intermediates(opts, plan.table[g0:g1], x, q, k, v, g, beta, A_log, dt_bias)
         # one walk over the group's windows, writing the state entering each window into its checkpoint
         run_walk_fwd(opts, plan.table[base:g1], plan.seq_rows[w0:w1], x["w"], x["u"], x["qg"], x["kd"], x["aqk"],
                      x["gc"], carry, x.get("h"), o, row0=base,
@@ -93,4 +120,4 @@ def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_
     final = None
     if opts.output_final_state:
         final = carry.transpose(-1, -2).contiguous() if opts.state_v_first else carry
-    return o, final, checkpoints, (s if keep else None)
+    return o, final, checkpoints, (s if keep else pairs)

@@ -103,8 +103,8 @@ CASES = [
     ("safe", 1, 139, 2, 2, 32, 24, torch.float32, [70, 0, 64, 5], True, True, True, None, False),
     ("softplus", 2, 80, 1, 2, 32, 32, torch.bfloat16, None, False, False, False, 64, False),
     ("raw", 1, 139, 1, 2, 32, 16, torch.float32, [70, 0, 64, 5], True, True, False, 64, True),
-    # four 1-chunk windows, which the forward runs in two groups (chunk64_forward_groups)
-    ("softplus", 1, 250, 1, 1, 16, 16, torch.float32, None, False, True, False, 64, False),
+    # nine 1-chunk windows, which the forward runs in two groups (chunk64_forward_groups)
+    ("softplus", 1, 576, 1, 1, 16, 16, torch.float32, None, False, True, False, 64, False),
 ]
 
 
@@ -120,7 +120,7 @@ def test_pipeline_matches_float64(case):
     flags = GATES[gate]
     o_ref, ht_ref, g_ref = _run(_reference(x), x, flags, v_first, do.double(), dht.double())
     o, ht, g = _run(_ours(x, window, keep), x, flags, v_first, do, dht)
-    if T == 250:  # the case that exercises the forward's groups of windows
+    if T == 576:  # the case that exercises the forward's groups of windows
         cp = make_chunk_plan(B, T, lengths, "cpu", window, slot_geometry=(H, HV, K, V, dtype, dtype))
         assert len(cp.forward_groups) == 2, cp.forward_groups
     tol = 2e-4 if dtype == torch.float32 else 3e-2

@@ -146,8 +146,8 @@ CASES = {
     "raw_fp32_gate_fast_final": ("raw", "chunk64_fast", 64, dict(B=1, T=150, H=1, HV=2, K=16, V=16,
                                  dtype=torch.bfloat16, lengths=[150], h0=True, g_dtype=torch.float32,
                                  final=True)),
-    # one sequence of four 1-chunk windows: the forward runs two groups of two windows
-    "forward_groups_softplus": ("softplus", "chunk64", 64, dict(B=1, T=250, H=1, HV=1, K=16, V=16,
+    # one sequence of nine 1-chunk windows: the forward runs them in two groups
+    "forward_groups_softplus": ("softplus", "chunk64", 64, dict(B=1, T=576, H=1, HV=1, K=16, V=16,
                                 dtype=torch.bfloat16, lengths=None, h0=True)),
     "fp32_tokens_h0": ("softplus", "chunk64", 64, dict(B=1, T=139, H=2, HV=2, K=32, V=24, dtype=torch.float32,
                      lengths=[70, 5, 64], h0=True)),
