@@ -18,6 +18,12 @@ from kdakit.testing import make_kda_inputs
 
 # a 64-token chunk and a 16-token one before the bad token's, so earlier chunks of either pipeline stay finite
 N, T, BAD_SEQ, BAD_TOKEN = 3, 100, 1, 85
+# the recurrent ops have no chunks: a shorter sequence (the interpreter's cost grows with T), still with tokens
+# before the bad one and after it
+T_RECURRENT, BAD_TOKEN_RECURRENT = 24, 13
+# the gradient checks hold within one sequence's chunks, whatever their count: one 64-token chunk a sequence
+# (two of the 16-token pipeline), the bad token past the first 16
+T_GRAD, BAD_TOKEN_GRAD = 40, 25
 
 
 @pytest.fixture(params=["triton", "torch"])
@@ -26,23 +32,23 @@ def backend(request, monkeypatch):
     return request.param
 
 
-def _inputs(gate, name, seed=3):
+def _inputs(gate, name, seed=3, T=T, bad_token=BAD_TOKEN):
     inp = make_kda_inputs(B=N, T=T, H=2, K=16, V=16, dtype=torch.float32, gate=gate,
                           generator=torch.Generator().manual_seed(seed))
     t = {n: x.detach().clone() for n, x in inp["tensors"].items()}
     kw = dict(inp["kwargs"])
-    t[name][BAD_SEQ, BAD_TOKEN].fill_(float("nan"))
+    t[name][BAD_SEQ, bad_token].fill_(float("nan"))
     return t, kw
 
 
-def _assert_propagated(o, first_nan_token_at_most, into_state=True):
-    """NaN in every output of the bad sequence from BAD_TOKEN on (only at BAD_TOKEN when the NaN input does not
+def _assert_propagated(o, first_nan_token_at_most, into_state=True, bad_token=BAD_TOKEN):
+    """NaN in every output of the bad sequence from the bad token on (only at it when the NaN input does not
     enter the state: q), nowhere in the other sequences, and none before ``first_nan_token_at_most``."""
     bad = o[BAD_SEQ].isnan().flatten(1).any(1)  # [T]: a NaN in token t's output
     if into_state:
-        assert bad[BAD_TOKEN:].all(), f"finite outputs after the NaN token: {(~bad[BAD_TOKEN:]).nonzero().flatten()}"
+        assert bad[bad_token:].all(), f"finite outputs after the NaN token: {(~bad[bad_token:]).nonzero().flatten()}"
     else:
-        assert bad[BAD_TOKEN] and not bad[BAD_TOKEN + 1:].any(), f"NaN outputs: {bad.nonzero().flatten()}"
+        assert bad[bad_token] and not bad[bad_token + 1:].any(), f"NaN outputs: {bad.nonzero().flatten()}"
     assert not bad[:first_nan_token_at_most].any(), f"NaN before token {first_nan_token_at_most}"
     others = [n for n in range(N) if n != BAD_SEQ]
     assert torch.isfinite(o[others]).all(), "a NaN in one sequence reached another"
@@ -65,9 +71,9 @@ def test_chunk_kda_propagates_nan(backend, gate, name):
 
 @pytest.mark.parametrize("gate,name", [("softplus", "g"), ("safe", "g"), ("softplus", "k"), ("none", "beta")])
 def test_fused_recurrent_kda_propagates_nan(backend, gate, name):
-    t, kw = _inputs(gate, name)
+    t, kw = _inputs(gate, name, T=T_RECURRENT, bad_token=BAD_TOKEN_RECURRENT)
     o, final = fused_recurrent_kda(**t, **kw, output_final_state=True)
-    _assert_propagated(o, BAD_TOKEN)
+    _assert_propagated(o, BAD_TOKEN_RECURRENT, bad_token=BAD_TOKEN_RECURRENT)
     assert final[BAD_SEQ].isnan().any() and torch.isfinite(final[[0, 2]]).all()
 
 
@@ -93,12 +99,13 @@ def test_kda_decode_propagates_nan_gate_to_its_row_only(backend, gate):
 def test_nan_gate_gradient_is_nan_and_stays_in_its_sequence(backend, op, gate):
     """Backward of a NaN gate entry: its own dg is NaN (the chunk kernels' log-decay floor once zeroed it, while
     the PyTorch path and the recurrent kernels gave NaN), and the other sequences' token gradients are finite."""
-    t, kw = _inputs(gate, "g")
+    bad_token = BAD_TOKEN_GRAD if op == "chunk" else BAD_TOKEN_RECURRENT
+    t, kw = _inputs(gate, "g", T=T_GRAD if op == "chunk" else T_RECURRENT, bad_token=bad_token)
     for x in t.values():
         x.requires_grad_(True)
     fn = chunk_kda if op == "chunk" else fused_recurrent_kda
     o, _ = fn(**t, **kw, output_final_state=True)
     o.backward(torch.randn(o.shape, generator=torch.Generator().manual_seed(1)))
-    assert t["g"].grad[BAD_SEQ, BAD_TOKEN].isnan().all(), t["g"].grad[BAD_SEQ, BAD_TOKEN]
+    assert t["g"].grad[BAD_SEQ, bad_token].isnan().all(), t["g"].grad[BAD_SEQ, bad_token]
     for name in ("q", "k", "v", "g", "beta"):
         assert torch.isfinite(t[name].grad[[0, 2]]).all(), f"a NaN reached another sequence's d{name}"

@@ -149,33 +149,6 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("B,T,seqlens,H,HV,K,dtype,kind", CASES)
-def test_grads_intra_matches_float64_autograd(B, T, seqlens, H, HV, K, dtype, kind):
-    rows, table, q, k, gc, bt, rq, rk, daqk, dakk, slots = make_case(B, T, seqlens, H, HV, K, dtype, kind, 7)
-    opts = make_opts(H, HV, K, kind)
-    assert opts.safe == (kind in ("safe", "raw_safe"))
-    before = [x.clone() for x in slots]
-    run_grads_intra(opts, table, q, k, gc, bt, rq, rk, daqk, dakk, *slots)
-    ref = reference(rows, q, k, gc, bt, rq, rk, daqk, dakk, opts.scale, H, HV)
-    tol = 1e-5 if dtype == torch.float32 else 1.5e-2
-    names = ("dqh", "dkh", "dgs", "dbs")
-    for i, (_, _, _, L) in enumerate(rows):
-        for hv in range(HV):
-            for j, name in enumerate(names):
-                inc = slots[j][i, hv, :L] - before[j][i, hv, :L]
-                err = rel_err(inc, ref[i][hv][j], slots[j][i, hv, :L])
-                assert err < tol, f"{name} chunk {i} head {hv}: relative error {err:.2e}"
-            # the pairwise terms of dG cancel over the chunk's rows (their sum over rows is exactly 0): to fp32
-            # rounding, bf16 operands included (plus the rounding of the '+=' onto the slot's values)
-            dg = slots[2][i, hv, :L].double() - before[2][i, hv, :L].double()
-            allowed = 1e-5 * dg.abs().sum(0) + 2.0 ** -23 * slots[2][i, hv, :L].double().abs().sum(0)
-            resid = (dg.sum(0).abs() / allowed).max().item()
-            assert resid < 1, f"dgs rows of chunk {i} head {hv} do not cancel: {resid:.2f} of the allowance"
-    for j, name in enumerate(names):  # padded rows are not written
-        for i, (_, _, _, L) in enumerate(rows):
-            assert torch.equal(slots[j][i, :, L:], before[j][i, :, L:]), f"{name}: padded rows of chunk {i} written"
-
-
 def dot_tiles(rows, gc, HV, K):
     """The kernel's span check per (chunk, value head, sub-chunk, K block) of the real sub-chunks: True where the
     diagonal block takes the dots (|G - G_mid| <= DOT_SPAN_LIMIT over the tile, padded rows as the row L - 1,
@@ -197,20 +170,49 @@ def dot_tiles(rows, gc, HV, K):
 
 
 # each non-SAFE case and the paths its tiles must take: 'dots' (all), 'exact' (every full sub-chunk: the
-# token-parallel loop), 'both' (both paths within one chunk)
-PATH_CASES = [(c, {"safe_exact": "dots", "large": "exact", "raw": "exact"}.get(c[-1], "both")) for c in CASES
-              if c[-1] not in ("safe", "raw_safe")]
+# token-parallel loop), 'both' (both paths within one chunk); the SAFE cases ('safe', 'raw_safe') have one path
+PATHS = {"safe_exact": "dots", "large": "exact", "raw": "exact", "softplus": "both", "mixed": "both"}
 
 
-@pytest.mark.parametrize("B,T,seqlens,H,HV,K,dtype,kind,expect", [c + (e,) for c, e in PATH_CASES])
-def test_grads_intra_takes_dots_where_the_span_check_passes(B, T, seqlens, H, HV, K, dtype, kind, expect):
-    """Without SAFE, a tile that passes the span check is bit-equal to the SAFE build's (dots everywhere), one that
-    fails differs from it (the token-parallel loop; float64 agreement is the test above)."""
+@pytest.mark.parametrize("B,T,seqlens,H,HV,K,dtype,kind", CASES)
+def test_grads_intra_matches_float64_autograd(B, T, seqlens, H, HV, K, dtype, kind):
+    """The increments against float64 autograd; for the non-SAFE cases, the same run's tiles against the SAFE
+    build's (``check_paths``: one interpreter run of the kernel serves both checks)."""
     rows, table, q, k, gc, bt, rq, rk, daqk, dakk, slots = make_case(B, T, seqlens, H, HV, K, dtype, kind, 7)
+    opts = make_opts(H, HV, K, kind)
+    assert opts.safe == (kind in ("safe", "raw_safe"))
+    assert opts.safe == (kind not in PATHS)
+    before = [x.clone() for x in slots]
+    run_grads_intra(opts, table, q, k, gc, bt, rq, rk, daqk, dakk, *slots)
+    ref = reference(rows, q, k, gc, bt, rq, rk, daqk, dakk, opts.scale, H, HV)
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    names = ("dqh", "dkh", "dgs", "dbs")
+    for i, (_, _, _, L) in enumerate(rows):
+        for hv in range(HV):
+            for j, name in enumerate(names):
+                inc = slots[j][i, hv, :L] - before[j][i, hv, :L]
+                err = rel_err(inc, ref[i][hv][j], slots[j][i, hv, :L])
+                assert err < tol, f"{name} chunk {i} head {hv}: relative error {err:.2e}"
+            # the pairwise terms of dG cancel over the chunk's rows (their sum over rows is exactly 0): to fp32
+            # rounding, bf16 operands included (plus the rounding of the '+=' onto the slot's values)
+            dg = slots[2][i, hv, :L].double() - before[2][i, hv, :L].double()
+            allowed = 1e-5 * dg.abs().sum(0) + 2.0 ** -23 * slots[2][i, hv, :L].double().abs().sum(0)
+            resid = (dg.sum(0).abs() / allowed).max().item()
+            assert resid < 1, f"dgs rows of chunk {i} head {hv} do not cancel: {resid:.2f} of the allowance"
+    for j, name in enumerate(names):  # padded rows are not written
+        for i, (_, _, _, L) in enumerate(rows):
+            assert torch.equal(slots[j][i, :, L:], before[j][i, :, L:]), f"{name}: padded rows of chunk {i} written"
+    if not opts.safe:
+        check_paths(rows, table, q, k, gc, bt, rq, rk, daqk, dakk, before, slots, H, HV, K, kind, PATHS[kind])
+
+
+def check_paths(rows, table, q, k, gc, bt, rq, rk, daqk, dakk, before, slots, H, HV, K, kind, expect):
+    """Without SAFE, a tile that passes the span check is bit-equal to the SAFE build's (dots everywhere), one that
+    fails differs from it (the token-parallel loop; float64 agreement is checked above). ``slots``: the non-SAFE
+    run's output from the initial values ``before``."""
     opts, opts_safe = make_opts(H, HV, K, kind), make_opts(H, HV, K, "raw_safe")
     assert not opts.safe and opts_safe.safe and opts.scale == opts_safe.scale
-    twin = [x.clone() for x in slots]
-    run_grads_intra(opts, table, q, k, gc, bt, rq, rk, daqk, dakk, *slots)
+    twin = [x.clone() for x in before]
     run_grads_intra(opts_safe, table, q, k, gc, bt, rq, rk, daqk, dakk, *twin)
     dots, BK = dot_tiles(rows, gc, HV, K)
     for (i, hv, s, c0), ok in dots.items():

@@ -17,7 +17,7 @@ from tests.ops.kda.chunk.test_intra import check_outputs, make_inputs, reference
 
 C = CHUNK
 NSUB = C // SUB
-SEQLENS = [70, 37, 64]  # chunks of 64, 6, 37 and 64 tokens: short chunks with padded rows
+SEQLENS = [70, 37]  # chunks of 64, 6 and 37 tokens: a full one, short ones with padded rows
 
 
 def set_log_decay(x, big, seed):
@@ -47,7 +47,10 @@ def run(x, dtype, safe):
 
 
 def inputs(dtype, seed=0):
-    return make_inputs(B=1, T=sum(SEQLENS), H=2, HV=4, K=24, seqlens=SEQLENS, dtype=dtype, gate=GATE_LOWER_BOUND,
+    # GVA with one q/k head: the two value heads share one diag program (DIAG_BLOCK_H = 2); two head blocks and
+    # H = 2, both paths among them, are test_intra's fp32-none-fixed-gva (H = 2, HV = 4: 40 of its 64 sub-chunks
+    # token-parallel, in every head)
+    return make_inputs(B=1, T=sum(SEQLENS), H=1, HV=2, K=24, seqlens=SEQLENS, dtype=dtype, gate=GATE_LOWER_BOUND,
                        l2norm=True, strided=True, seed=seed)
 
 
@@ -56,7 +59,7 @@ def inputs(dtype, seed=0):
 def test_diag_paths(mode, dtype):
     """All sub-chunks by dots (mild decays), all token-parallel (-30 per token), or a mix within every chunk and
     across the value heads of one diag program (sub-chunk s of head hv token-parallel iff hv + s is odd);
-    GVA (HV = 4, H = 2), K = 24 (masked key columns), short chunks."""
+    GVA (HV = 2, H = 1), K = 24 (masked key columns), short chunks."""
     x = inputs(dtype)
     n = len(x.rows)
     if mode == "dots":

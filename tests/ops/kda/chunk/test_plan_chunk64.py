@@ -162,7 +162,7 @@ CASES = {
     "gva_softplus_fast": ("softplus", "chunk64_fast", 64, dict(B=1, T=75, H=1, HV=3, K=16, V=32,
                           dtype=torch.bfloat16, lengths=[70, 0, 5], h0=True, h0_dtype=torch.bfloat16)),
     # a batch of two fixed-length sequences over two 2-chunk windows (4 rows, then 2), float32 raw gate
-    "raw_fp32_gate": ("raw", "chunk64", 128, dict(B=2, T=136, H=1, HV=2, K=16, V=16, dtype=torch.bfloat16,
+    "raw_fp32_gate": ("raw", "chunk64", 128, dict(B=2, T=136, H=1, HV=1, K=16, V=16, dtype=torch.bfloat16,
                       lengths=None, h0=False, g_dtype=torch.float32)),
     "raw_fp32_gate_fast_final": ("raw", "chunk64_fast", 64, dict(B=1, T=150, H=1, HV=1, K=16, V=16,
                                  dtype=torch.bfloat16, lengths=[150], h0=True, g_dtype=torch.float32,
