@@ -21,6 +21,9 @@ import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+    # the tests marked slow first (stable: collection order otherwise), so that xdist deals the longest ones out
+    # early and the run does not end on one worker still busy with a long test
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if TIER == "gpu" and torch.cuda.is_available():
         return
     reason = ("GPU tier: needs a CUDA device and KDAKIT_TEST_TIER=gpu (benchmarks/run_gpu.sh runs it on the H200)")

@@ -106,6 +106,7 @@ def _run(tmp_path, *extra, timeout=400):
     return proc, json.load(open(out / "chunk_vs_fla.json"))
 
 
+@pytest.mark.slow
 def test_dry_run_end_to_end_with_accuracy_and_table(tmp_path):
     proc, res = _run(tmp_path, "--process", "shared", "--warm-jobs", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -124,6 +125,7 @@ def test_dry_run_end_to_end_with_accuracy_and_table(tmp_path):
     assert table.strip() == res["markdown"].strip() and "| raw | 2x8192:4 |" in table
 
 
+@pytest.mark.slow
 def test_dry_run_records_a_crash_a_hang_and_a_spent_budget(tmp_path):
     proc, res = _run(tmp_path, "--process", "fresh", "--fault", "fla:crash")
     assert proc.returncode == 1

@@ -37,6 +37,7 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_tiny_model_learns_recall_far_below_chance(tmp_path):
     """8 pairs, 24 queries in 64 tokens, 200 steps on one thread: about 30 s on the 2-core CPU machine,
     where seeds 0 and 3 ended at 0.05 and 0.07 nats against a chance of log(32) = 3.47."""

@@ -465,6 +465,7 @@ def _pool_prefill(layer, x, pool0, conv0, *, check_indices, guard, host_offsets=
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.slow
 def test_pool_prefill_without_index_check_reads_nothing(monkeypatch, backend):
     """forward(state_indices=, conv_state=, cu_seqlens_cpu=, check_indices=False): hidden states,
     both pools, the indices and cu_seqlens are device values and none is read on the host; the

@@ -146,6 +146,7 @@ def test_compile_chunk_kda_fullgraph_matches_eager_bitwise():
     _assert_bitwise(ref, got_aot)
 
 
+@pytest.mark.slow
 def test_compile_chunk_kda_carries_the_pipeline(monkeypatch):
     """``pipeline`` travels through the op's schema: the compiled call runs the same 64-token pipeline as eager
     (Triton kernels under the interpreter), bit for bit."""

@@ -251,6 +251,7 @@ def test_strides_of_size_one_dims_are_never_read(backend, op):
 
 # --- chunk_kda (PyTorch path only) ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_chunk_engine_shapes_equal_the_flat_call(backend):
     # the Triton kernels read A_log / dt_bias through the flat views (element stride 1); every engine shape
     # against the one flat call (a chunk_kda step is the expensive part under the interpreter, its cost the

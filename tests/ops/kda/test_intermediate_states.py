@@ -48,6 +48,7 @@ def rows_shape(t, v_first):
 
 
 @pytest.mark.parametrize("case", ["packed_kv", "packed_vk_h0", "batch_bf16"])
+@pytest.mark.slow
 def test_h_matches_the_recurrence_at_64_token_boundaries(backend, case):
     gen = torch.Generator().manual_seed(11)
     if case == "batch_bf16":

@@ -347,6 +347,7 @@ def _naive_direct_grads(inp, pos, named):
 
 
 @pytest.mark.parametrize("case", list(SEGMENT_CASES))
+@pytest.mark.slow
 def test_segmented_backward_matches_naive_and_one_pass(triton_backend, case):
     kw, L, with_dht = SEGMENT_CASES[case]
     inp = _inputs(20, **kw)

@@ -175,6 +175,7 @@ PATHS = {"safe_exact": "dots", "large": "exact", "raw": "exact", "softplus": "bo
 
 
 @pytest.mark.parametrize("B,T,seqlens,H,HV,K,dtype,kind", CASES)
+@pytest.mark.slow
 def test_grads_intra_matches_float64_autograd(B, T, seqlens, H, HV, K, dtype, kind):
     """The increments against float64 autograd; for the non-SAFE cases, the same run's tiles against the SAFE
     build's (``check_paths``: one interpreter run of the kernel serves both checks)."""

@@ -147,7 +147,7 @@ def check_close(name, got, ref, tol):
 CASES = [
     # name, B, T, H, HV, K, seqlens, dtype, gate, l2norm, strided
     ("fp32-none-fixed-gva", 2, 70, 2, 4, 24, None, torch.float32, GATE_NONE, True, True),
-    ("bf16-softplus-varlen", 1, 139, 1, 4, 32, [70, 0, 64, 5], torch.bfloat16, GATE_SOFTPLUS, True, True),
+    ("bf16-softplus-varlen", 1, 75, 1, 4, 32, [70, 0, 5], torch.bfloat16, GATE_SOFTPLUS, True, True),
     ("fp32-lowerbound-varlen", 1, 95, 2, 4, 32, [70, 0, 5, 20], torch.float32, GATE_LOWER_BOUND, False, False),
     ("bf16-none-fixed-short", 2, 40, 1, 2, 24, None, torch.bfloat16, GATE_NONE, False, True),
     ("fp32-softplus-k20", 1, 80, 1, 1, 20, None, torch.float32, GATE_SOFTPLUS, True, False),
@@ -156,6 +156,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.slow
 def test_intra_matches_reference(case):
     """aqk, akk_d, tinv against float64: fp32 within 1e-4 of each matrix's largest entry (16-bit: bf16/fp16
     storage and bf16 dot operands); exact zeros above the diagonal, on padded rows and in akk_d's unused

@@ -203,6 +203,7 @@ def _tracked(name) -> tuple[tuple[tuple[int, int], ...], int]:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_plan_prices_every_allocation_of_the_step(name):
     gate, pipeline, window, final, x, _, _ = _case(name)
     plan = _plan(name)
