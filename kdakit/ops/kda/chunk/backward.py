@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kdakit.ops.kda.chunk.finish import run_finish
+from kdakit.ops.kda.chunk.finish import partial_sums, run_finish
 from kdakit.ops.kda.chunk.forward import forward_slots, window_intermediates
 from kdakit.ops.kda.chunk.grads import run_grads_wy
 from kdakit.ops.kda.chunk.grads_intra import run_grads_intra
@@ -80,8 +80,8 @@ def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, c
         run_finish(opts, rows, q, k, g, beta, A_log, dt_bias, x["rq"], x["rk"], y["dqh"], y["dkh"], y["dgs"],
                    y["dgc"], y["dbs"], dq, dk, dg, dbeta, dalog_rows[r0:r1] if dalog_rows is not None else None,
                    dbias_rows[r0:r1] if dbias_rows is not None else None)
-    dA_log = dalog_rows.sum(0) if dalog_rows is not None else None
-    ddt_bias = dbias_rows.sum(0).flatten() if dbias_rows is not None else None
+    dA_log = partial_sums(dalog_rows) if dalog_rows is not None else None
+    ddt_bias = partial_sums(dbias_rows) if dbias_rows is not None else None
     dh0 = None
     if initial_state is not None:
         dh0 = dcarry.transpose(-1, -2) if opts.state_v_first else dcarry

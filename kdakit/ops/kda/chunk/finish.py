@@ -12,6 +12,10 @@ Per chunk row i = (n, b, t0, L) of the chunk table and q/k head h with its value
     dbias[i, hv, c] = sum_r dg[r, c]
     dbeta = beta_activation_bwd(dbs[i, hv], raw beta)
 
+and, once per call, ``partial_sums``: the partials of every chunk row summed over the rows (dA_log ``[HV]``,
+ddt_bias ``[HV * K]``) in a fixed order, into the output alone (no staging buffer beside it, so the plan's
+allocation model stays exact, and reruns are bitwise equal).
+
 Token tensors (q, k [B, T, H, K]; g [B, T, HV, K]; beta [B, T, HV]; dq, dk, dg, dbeta likewise) are read and
 written through their strides; slot tensors are contiguous (rq, rk fp32 [n, H, C]; dqh, dkh, dgs fp32
 [n, HV, C, K]; dgc fp32 [n, HV, K]; dbs fp32 [n, HV, C]; dalog fp32 [n, HV]; dbias fp32 [n, HV, K]); their
@@ -19,6 +23,8 @@ padded rows r >= L are never read. K <= 128.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -56,6 +62,10 @@ from kdakit.ops.kda.options import KDAOptions
 FINISH_ROWS = 16
 FINISH_BLOCK_K = 32
 FINISH_NUM_WARPS = 4
+# The partials' column sums: [SUM_ROWS, SUM_BLOCK] tiles, one program per SUM_BLOCK columns.
+SUM_ROWS = 32
+SUM_BLOCK = 128
+SUM_NUM_WARPS = 4
 
 
 @triton.jit
@@ -144,6 +154,36 @@ def chunk_finish_kernel(
         db_base = token_base(dbeta, b, t0, hv, s_dbb, s_dbt, s_dbh)
         db = beta_activation_bwd(db, b_raw, BETA_SIGMOID, NEG_EIGVAL)  # [C]
         store_row_scalars(db_base, as_stored(db, db_base, INTERPRETED), zero, L, s_dbt, C)
+
+
+@triton.jit
+def partial_sums_kernel(x, out, n, W, BR: tl.constexpr, BW: tl.constexpr):
+    """out[c] = sum_i x[i, c] for BW columns of the contiguous fp32 ``x [n, W]``, rows in order."""
+    cols = tl.program_id(0).to(tl.int64) * BW + tl.arange(0, BW)  # [BW]
+    acc = tl.zeros([BR, BW], dtype=tl.float32)
+    r0 = 0
+    while r0 < n:  # a while loop: the interpreter cannot range() over an integer argument
+        rows = r0 + tl.arange(0, BR)  # [BR]
+        m = (rows < n)[:, None] & (cols < W)[None, :]
+        acc += tl.load(x + rows.to(tl.int64)[:, None] * W + cols[None, :], mask=m, other=0.0)  # [BR, BW]
+        r0 += BR
+    tl.store(out + cols, tl.sum(acc, axis=0), mask=cols < W)
+
+
+def partial_sums(rows: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[n, *shape]`` contiguous partials -> fp32 ``[prod(shape)]``, their sum over the n rows (zeros for
+    n == 0)."""
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
+    if rows.dtype != torch.float32 or rows.dim() < 2 or not rows.is_contiguous():
+        raise ValueError(f"rows must be a contiguous fp32 tensor of two or more dimensions, got {rows.dtype} "
+                         f"{tuple(rows.shape)} with strides {rows.stride()}")
+    n, W = rows.shape[0], math.prod(rows.shape[1:])
+    out = torch.empty(W, dtype=torch.float32, device=rows.device)
+    if W:
+        partial_sums_kernel[(triton.cdiv(W, SUM_BLOCK),)](rows, out, n, W, BR=SUM_ROWS, BW=SUM_BLOCK,
+                                                           num_warps=SUM_NUM_WARPS, num_stages=1)
+    return out
 
 
 def run_finish(opts: KDAOptions, table, q, k, g, beta, A_log, dt_bias, rq, rk, dqh, dkh, dgs, dgc, dbs,

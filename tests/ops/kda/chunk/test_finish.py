@@ -5,11 +5,13 @@ and beta per chunk and value head; fixed-length and packed calls, grouped value 
 fp32, every gate mode; the clamp's zero gradient at -inf / -1000 / floored softplus log-decays, a NaN gate entry
 giving NaN at that entry only; the sm_90a builds of every variant."""
 
+import math
+
 import pytest
 import torch
 
 from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.ops.kda.chunk.finish import FINISH_NUM_WARPS, run_finish
+from kdakit.ops.kda.chunk.finish import FINISH_NUM_WARPS, SUM_NUM_WARPS, partial_sums, run_finish
 
 from .._sm90_build import run_sm90_build
 from .test_prep import (
@@ -182,6 +184,24 @@ def test_launcher_errors_name_the_argument():
             run_finish(**dict(args, **{key: value}))
 
 
+@pytest.mark.parametrize("shape", [(1, 3), (45, 7, 19), (70, 130), (0, 5, 2)])
+def test_partial_sums_are_the_column_sums(shape):
+    """The per-chunk partials' sum over rows, against a float64 sum; row and column counts off the tile sizes."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+    got = partial_sums(x)
+    assert got.shape == (math.prod(shape[1:]),) and got.dtype == torch.float32
+    want = x.double().sum(0).flatten()
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * max(1, shape[0]) ** 0.5)
+    assert torch.equal(partial_sums(x), got)
+
+
+def test_partial_sums_errors_name_the_argument():
+    for bad, err in ((torch.randn(4, 3).double(), ValueError), (torch.randn(4, 6)[:, ::2], ValueError),
+                     (torch.randn(5), ValueError), ([1.0, 2.0], TypeError)):
+        with pytest.raises(err, match="rows"):
+            partial_sums(bad)
+
+
 FINISH_BUILD = BUILD_HELPER + r'''
 import kdakit.ops.kda.chunk.finish as M
 ptr = {n: "*fp32" for n in ("A_log", "dt_bias", "rq", "rk", "dqh", "dkh", "dgs", "dgc", "dbs", "dalog", "dbias")}
@@ -200,10 +220,12 @@ for dt, gate, has_a, has_b, l2, sig, neg, group in (("*bf16", 0, False, False, F
     build(M.chunk_finish_kernel, types, dict(HV=96, K=128, C=64, BR=M.FINISH_ROWS, BKF=128, BK=M.FINISH_BLOCK_K,
           GROUP=group, GATE=gate, HAS_A_LOG=has_a, HAS_BIAS=has_b, USE_L2NORM=l2, BETA_SIGMOID=sig, NEG_EIGVAL=neg,
           STORE_DALOG=gate != 0, STORE_DBIAS=gate != 0, INTERPRETED=False), M.FINISH_NUM_WARPS, unaligned)
+build(M.partial_sums_kernel, dict(x="*fp32", out="*fp32", n="i32", W="i32"), dict(BR=M.SUM_ROWS, BW=M.SUM_BLOCK),
+      M.SUM_NUM_WARPS, ("n", "W"))
 '''
 
 
 def test_finish_builds_for_sm90_without_spills():
     out = run_sm90_build(FINISH_BUILD)
-    check_builds(out, 7, {8: 128})
-    assert FINISH_NUM_WARPS <= 4
+    check_builds(out, 8, {8: 128})
+    assert FINISH_NUM_WARPS <= 4 and SUM_NUM_WARPS <= 4
