@@ -57,11 +57,11 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # FLA's native Trito
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kdakit.ops.kda.decode import decode_options, kda_decode, kda_decode_reference  # noqa: E402
-from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda  # noqa: E402
-from kdakit.ops.kda.naive import naive_recurrent_kda  # noqa: E402
-from kdakit.ops.kda.recurrent_backward import recurrent_kda_backward  # noqa: E402
-from kdakit.ops.kda.workspace import Workspace  # noqa: E402
+from kdakit.ops.kda.serving.decode import decode_options, kda_decode, kda_decode_reference  # noqa: E402
+from kdakit.ops.kda.recurrent.api import fused_recurrent_kda  # noqa: E402
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda  # noqa: E402
+from kdakit.ops.kda.recurrent.backward import recurrent_kda_backward  # noqa: E402
+from kdakit.ops.kda.recurrent.workspace import Workspace  # noqa: E402
 from kdakit.testing import ErrorReport, error_report  # noqa: E402
 
 import bench_recurrent_cells as cells  # noqa: E402
@@ -512,8 +512,8 @@ def main(argv=None) -> int:
     results = {"benchmark": "recurrent KDA: decode state bandwidth and recurrent fwd+bwd",
                "env": environment(), "target_fraction_of_copy": TARGET_FRACTION,
                "target_speedup_vs_fla": TARGET_SPEEDUP_VS_FLA,
-               "default_launch_config": "one-token steps with [N] indices: decode_step.py's STEP_BLOCK_V x "
-                                        "STEP_NUM_WARPS; others: decode.py's decode_launch_config (per cell: the "
+               "default_launch_config": "one-token steps with [N] indices: serving/step.py's STEP_BLOCK_V x "
+                                        "STEP_NUM_WARPS; others: serving/decode.py's decode_launch_config (per cell: the "
                                         "sweep rows' default)",
                "graph_steps_note": f"*_graph_steps_ms: GRAPH_STEPS ({GRAPH_STEPS}) steps captured in one CUDA graph, "
                                    "per step (benchmarks/timing.graphed_steps_ms); kdakit_graph_ms / fla_graph_ms: "

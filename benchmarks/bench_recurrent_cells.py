@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from kdakit.ops.kda.decode import decode_launch_config, decode_options, kda_decode, launch_kda_decode
-from kdakit.ops.kda.decode_step import STEP_BLOCK_V, STEP_NUM_WARPS, step_kernel_applies
+from kdakit.ops.kda.serving.decode import decode_launch_config, decode_options, kda_decode, launch_kda_decode
+from kdakit.ops.kda.serving.step import STEP_BLOCK_V, STEP_NUM_WARPS, step_kernel_applies
 
 # Speculative decoding (issue #13 item 9): S tokens per sequence, state_indices [N, S], num_accepted_tokens [N]
 SPEC_S = 4
@@ -27,7 +27,7 @@ SPEC_N = (64, 256)
 SPEC_BYTES = ("the N pool rows read once (row state_indices[n, num_accepted_tokens[n] - 1]) plus the N * S rows "
               "written (row state_indices[n, t] after token t), HV * V * K state elements each; token inputs and "
               "outputs not counted")
-# The launch-config grid of --sweep: around the defaults (decode_step.py's 8 x 1 for one-token steps, decode.py's
+# The launch-config grid of --sweep: around the defaults (serving/step.py's 8 x 1 for one-token steps, serving/decode.py's
 # decode_launch_config 16 x 1 / 64 x 2 warps for the rest).
 SWEEP_BLOCK_V = (4, 8, 16, 32, 64)
 SWEEP_NUM_WARPS = (1, 2, 4, 8)
@@ -64,7 +64,7 @@ def sweep_configs(V: int, block_v=SWEEP_BLOCK_V, num_warps=SWEEP_NUM_WARPS) -> l
 
 def best_config(rows: list[dict]) -> dict | None:
     """The fastest timed row of one cell's sweep (rows that failed or were skipped have no graph_ms),
-    with its speedup over decode.py's default config when that was timed; None when none was timed."""
+    with its speedup over serving/decode.py's default config when that was timed; None when none was timed."""
     timed = [r for r in rows if "graph_ms" in r]
     if not timed:
         return None
@@ -113,7 +113,7 @@ class SweepPlan:
 
 def _launch_fn(t, opts, pool, idx, out, block_v, num_warps):
     """kda_decode's kernel at one launch config: kda_decode's own launcher (``kda_decode`` itself launches the
-    default config: decode_step.py's for one-token steps, decode.py's ``decode_launch_config`` otherwise),
+    default config: serving/step.py's for one-token steps, serving/decode.py's ``decode_launch_config`` otherwise),
     without kda_decode's validation."""
     N = t["q"].shape[0]
     kopts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"], **opts)
@@ -152,7 +152,7 @@ def sweep_decode(t, opts, pool, idx, ref_o, ref_pool, copy_GBps: float, plan: Sw
     start = time.monotonic()
     rows = []
     N, HV, V = t["v"].shape[0], t["v"].shape[2], t["v"].shape[3]
-    # the config kda_decode itself would launch: decode_step.py's kernel when it takes the step, else the pool kernel's
+    # the config kda_decode itself would launch: serving/step.py's kernel when it takes the step, else the pool kernel's
     step = step_kernel_applies(T=t["v"].shape[1], cu_seqlens=None, state_indices=idx, h0=pool, ht=pool,
                                write_final_to_read_row=idx.dim() == 1, state_v_first=True, K=t["q"].shape[3], V=V,
                                block_v=None)

@@ -100,7 +100,7 @@ def library(fn, extra=None):
 
 
 def reference_call(x):
-    from kdakit.ops.kda.chunk_reference import chunked_kda_reference
+    from kdakit.ops.kda.reference.chunk import chunked_kda_reference
     f = gate_flags(x["gate"])
     return chunked_kda_reference(
         x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["q"].shape[-1] ** -0.5, A_log=x["A_log"],

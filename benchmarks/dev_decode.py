@@ -12,7 +12,7 @@ pool and inputs (kda_decode's serving options: l2norm, the safe gate, sigmoid be
   of a small grid. ``native_round``: bf16 rounding by the GPU's cvt instead of the integer recipe the
   interpreter needs; ``tiles`` > 1: a persistent grid where each program walks ``tiles`` state tiles and
   loads the next tile's state while it computes the current one.
-* ``step``: decode_step.py's kernel (what kda_decode runs for this step), launched directly at each config;
+* ``step``: serving/step.py's kernel (what kda_decode runs for this step), launched directly at each config;
 * ``seq``: the same math on a grid where each program takes ``tiles`` consecutive tiles of ONE
   sequence's pool row (one index load, then a contiguous ``tiles * block_v * K`` run of the row), the
   next tile's state requested before the current one is computed, so only a program's first tile
@@ -48,10 +48,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_recurrent import _decode_inputs, copy_bandwidth, environment  # noqa: E402
 from timing import graphed, graphed_steps_ms, median_ms  # noqa: E402
-from kdakit.ops.kda.decode import decode_options, kda_decode  # noqa: E402
-from kdakit.ops.kda.decode_step import launch_pool_step  # noqa: E402
+from kdakit.ops.kda.serving.decode import decode_options, kda_decode  # noqa: E402
+from kdakit.ops.kda.serving.step import launch_pool_step  # noqa: E402
 from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND  # noqa: E402
-from kdakit.ops.kda.recurrent_forward import BETA_SIGMOID, state_tile_step, token_activations  # noqa: E402
+from kdakit.ops.kda.recurrent.kernels import BETA_SIGMOID, state_tile_step, token_activations  # noqa: E402
 
 DEV = "cuda"
 # the serving options' gate and beta modes, as constexprs (the form a @triton.jit function reads a global in)
@@ -200,7 +200,7 @@ def launch_pipe(t, opts, pool, idx, out, block_v, num_warps, stages, progs_per_s
 
 
 def launch_step(t, opts, pool, idx, out, block_v, num_warps, native_round, maxnreg=None):
-    """decode_step.py's kernel as kda_decode launches it, at a given tile and warp count (``native_round``
+    """serving/step.py's kernel as kda_decode launches it, at a given tile and warp count (``native_round``
     unused: the shipped kernel picks its rounding itself)."""
     kopts = decode_options(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"], dt_bias=t["dt_bias"], **opts)
     A_log, dt_bias = kopts.kernel_gate_params(t["A_log"], t["dt_bias"])
@@ -305,7 +305,7 @@ def run_cell(N, pool_dtype, variants, iters, amortize, copy_GBps, with_fla):
 
 def variant_grid():
     """The loop-free kernel's best config, then the per-sequence kernel and the shipped step kernel
-    (decode_step.py, launched directly) at one tile a program over block_v x num_warps. (The run of
+    (serving/step.py, launched directly) at one tile a program over block_v x num_warps. (The run of
     2026-12-01 18:06 had tiles 1-8 and both evict settings: tiles > 1 was slower in every cell it
     finished, and evict helped the one-tile rows; results/dev_decode_h200.json.)"""
     out = [("proto", dict(block_v=16, num_warps=1, native_round=True, tiles=1)),

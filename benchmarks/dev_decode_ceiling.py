@@ -2,7 +2,7 @@
 
 FLA's fp32 step (20 steps a graph) runs at 69-73 % of the device copy rate at N = 64 / 256 (HV = 32,
 K = V = 128; results/recurrent_h200.json), so 1.3x it needs the step at ~93 / ~96 % of copy. kdakit's step
-kernel (decode_step.py) levels off at ~92 %. This script separates what the step's math costs from what
+kernel (serving/step.py) levels off at ~92 %. This script separates what the step's math costs from what
 its memory access pattern allows, on the same pools, as CUDA-graph replays (one step a replay, and
 ``--amortize`` steps in one graph divided by their number):
 
@@ -14,7 +14,7 @@ its memory access pattern allows, on the same pools, as CUDA-graph replays (one 
 * ``tile``: the negation on the step kernel's own grid and indexing ([BV, K] tiles of row
   ``state_indices[n]``, the index loaded first), so only the math is missing;
 * ``tma_tile``: the same tiles through a TMA tensor descriptor (``cp.async.bulk.tensor`` load and store);
-* ``step``: decode_step.py's kernel at a (block_v, num_warps);
+* ``step``: serving/step.py's kernel at a (block_v, num_warps);
 * ``tma_step``: the step kernel's math with the state tile loaded and stored through a TMA descriptor;
 * ``dev_step`` (``--grid step``): the step kernel with the hints a switch, at more warps a tile; ``tile``
   there also without the hints and without the index load (row n), to split the tile's cost;
@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_recurrent import _decode_inputs, _fla_decode_fn, copy_bandwidth, environment  # noqa: E402
 from dev_decode import _timed, copy_cell, launch_step  # noqa: E402
-from kdakit.ops.kda.decode import decode_options, kda_decode  # noqa: E402
-from kdakit.ops.kda.recurrent_forward import delta_rule_tile, state_tile_step, token_activations  # noqa: E402
+from kdakit.ops.kda.serving.decode import decode_options, kda_decode  # noqa: E402
+from kdakit.ops.kda.recurrent.kernels import delta_rule_tile, state_tile_step, token_activations  # noqa: E402
 
 DEV = "cuda"
 HV, K, V = 32, 128, 128

@@ -15,7 +15,7 @@ import torch
 
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.chunk.api import chunk_kda
-from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 from kdakit.testing import SPEC_RMS_LIMITS, error_report
 
 # docs/spec.md §8's limits under the demo's names (dh0 is run_kda's dinitial_state).

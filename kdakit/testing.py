@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 
 
 @dataclass(frozen=True)

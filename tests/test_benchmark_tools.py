@@ -547,9 +547,9 @@ def test_bench_recurrent_sweep_gates_each_config_on_the_cpu_kernel(monkeypatch):
     assert [(r["block_v"], r["num_warps"]) for r in rows] == br.sweep_configs(V)
     assert all("graph_ms" in r and len(r["gate"]) == 2 for r in rows), rows
     assert replays == [(br.SWEEP_WARMUP, 4)] * len(rows)
-    from kdakit.ops.kda.decode_step import STEP_BLOCK_V, STEP_NUM_WARPS
+    from kdakit.ops.kda.serving.step import STEP_BLOCK_V, STEP_NUM_WARPS
 
-    default = (STEP_BLOCK_V, STEP_NUM_WARPS)  # a one-token step: decode_step.py's kernel and config
+    default = (STEP_BLOCK_V, STEP_NUM_WARPS)  # a one-token step: serving/step.py's kernel and config
     assert [r["default"] for r in rows] == [(r["block_v"], r["num_warps"]) == default for r in rows]
     best = br.best_config(rows)
     assert (best["block_v"], best["num_warps"]) == (16, 2) and plan.left_s < 1e9
@@ -651,7 +651,7 @@ def _cpu_bench(monkeypatch, br, times):
 
 def _kdakit_as_fla(t, opts, pool, idx, out, acc=None):
     """FLA's fused_recurrent_kda_fwd call as kdakit implements its semantics (FLA is not installed on CPU)."""
-    from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
+    from kdakit.ops.kda.recurrent.api import fused_recurrent_kda
 
     def run():
         with torch.no_grad():

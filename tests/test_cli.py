@@ -48,7 +48,7 @@ def test_demo_reference_in_segments_equals_one_call():
     import torch
 
     from kdakit.demo import _inputs, _reference
-    from kdakit.ops.kda.naive import naive_recurrent_kda
+    from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 
     opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     tok, par, do, dht = _inputs(1, 70, 1, 2, 8, torch.bfloat16, torch.device("cpu"), 3)

@@ -30,13 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kdakit"
 
 RECURRENT = (
-    "kdakit.ops.kda.recurrent_forward",
-    "kdakit.ops.kda.recurrent_backward_kernels",
-    "kdakit.ops.kda.recurrent_backward_segmented",
-    "kdakit.ops.kda.recurrent_backward",
-    "kdakit.ops.kda.decode_step",
-    "kdakit.ops.kda.decode",
-    "kdakit.ops.kda.fused_recurrent",
+    "kdakit.ops.kda.recurrent.kernels",
+    "kdakit.ops.kda.recurrent.backward_kernels",
+    "kdakit.ops.kda.recurrent.segmented",
+    "kdakit.ops.kda.recurrent.backward",
+    "kdakit.ops.kda.serving.step",
+    "kdakit.ops.kda.serving.decode",
+    "kdakit.ops.kda.recurrent.api",
 )
 
 # Import cycles elsewhere in the package, known and not yet removed: each a frozenset of the
@@ -56,7 +56,7 @@ KNOWN_FUNCTION_LEVEL: set[tuple[str, str]] = {
     ("kdakit.memory.mem_cli", "kdakit.memory.measure"),
     ("kdakit.memory.mem_cli", "kdakit.memory.model"),
     ("kdakit.memory.mem_cli", "kdakit.memory.plot"),
-    ("kdakit.memory.model", "kdakit.ops.kda.chunk_reference"),
+    ("kdakit.memory.model", "kdakit.ops.kda.reference.chunk"),
     ("kdakit.memory.model", "kdakit.ops.kda.plan"),
     ("kdakit.memory.measure_worker", "kdakit"),
 }
@@ -90,7 +90,7 @@ class _Collector(ast.NodeVisitor):
         self.found: list[tuple[str, bool, int]] = []
 
     def _target(self, name: str) -> str | None:
-        # the longest known module prefix: "kdakit.ops.kda.decode.kda_decode" -> "kdakit.ops.kda.decode"
+        # the longest known module prefix: "kdakit.ops.kda.serving.decode.kda_decode" -> "kdakit.ops.kda.serving.decode"
         parts = name.split(".")
         for n in range(len(parts), 0, -1):
             cand = ".".join(parts[:n])
@@ -185,8 +185,8 @@ def test_graph_sees_the_recurrent_modules():
     for mod in RECURRENT:
         assert mod in GRAPH, mod
     # a sanity check of the collector: the known top-level edges are there
-    assert "kdakit.ops.kda.recurrent_forward" in GRAPH["kdakit.ops.kda.decode"]
-    assert "kdakit.ops.kda.recurrent_backward" in GRAPH["kdakit.ops.kda.fused_recurrent"]
+    assert "kdakit.ops.kda.recurrent.kernels" in GRAPH["kdakit.ops.kda.serving.decode"]
+    assert "kdakit.ops.kda.recurrent.backward" in GRAPH["kdakit.ops.kda.recurrent.api"]
 
 
 def test_no_import_cycle():
@@ -206,16 +206,16 @@ def test_no_function_level_import_in_recurrent_modules(mod):
 def test_recurrent_layering():
     """Each recurrent module imports only the ones below it (the order of the module docstring)."""
     allowed = {
-        "kdakit.ops.kda.recurrent_forward": set(),
-        "kdakit.ops.kda.recurrent_backward_kernels": {"kdakit.ops.kda.recurrent_forward"},
-        "kdakit.ops.kda.recurrent_backward_segmented": {"kdakit.ops.kda.recurrent_forward",
-                                                        "kdakit.ops.kda.recurrent_backward_kernels"},
-        "kdakit.ops.kda.decode_step": {"kdakit.ops.kda.recurrent_forward"},
-        "kdakit.ops.kda.decode": {"kdakit.ops.kda.recurrent_forward", "kdakit.ops.kda.decode_step"},
-        "kdakit.ops.kda.recurrent_backward": {"kdakit.ops.kda.recurrent_forward",
-                                              "kdakit.ops.kda.recurrent_backward_kernels",
-                                              "kdakit.ops.kda.recurrent_backward_segmented"},
-        "kdakit.ops.kda.fused_recurrent": set(RECURRENT) - {"kdakit.ops.kda.fused_recurrent"},
+        "kdakit.ops.kda.recurrent.kernels": set(),
+        "kdakit.ops.kda.recurrent.backward_kernels": {"kdakit.ops.kda.recurrent.kernels"},
+        "kdakit.ops.kda.recurrent.segmented": {"kdakit.ops.kda.recurrent.kernels",
+                                                        "kdakit.ops.kda.recurrent.backward_kernels"},
+        "kdakit.ops.kda.serving.step": {"kdakit.ops.kda.recurrent.kernels"},
+        "kdakit.ops.kda.serving.decode": {"kdakit.ops.kda.recurrent.kernels", "kdakit.ops.kda.serving.step"},
+        "kdakit.ops.kda.recurrent.backward": {"kdakit.ops.kda.recurrent.kernels",
+                                              "kdakit.ops.kda.recurrent.backward_kernels",
+                                              "kdakit.ops.kda.recurrent.segmented"},
+        "kdakit.ops.kda.recurrent.api": set(RECURRENT) - {"kdakit.ops.kda.recurrent.api"},
     }
     for mod, ok in allowed.items():
         got = GRAPH[mod] & set(RECURRENT)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kdakit import chunk_kda
-from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 from kdakit.testing import SPEC_RMS_LIMITS, compare_with_naive, make_kda_inputs
 
 

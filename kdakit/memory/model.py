@@ -633,7 +633,7 @@ def reference_saved_bytes(spec: CallSpec, chunk_size: int | None = None,
     sequence, for all N sequences: ``[segments, N, HV, K, V]`` in the compute dtype
     (fp32, fp64 for fp64 inputs). Raw byte count (no allocator rounding).
     """
-    from kdakit.ops.kda import chunk_reference as ref
+    from kdakit.ops.kda.reference import chunk as ref
 
     C = chunk_size or ref.DEFAULT_CHUNK_SIZE
     seg = checkpoint_every_n_tokens or spec.checkpoint_every_n_tokens or ref.DEFAULT_CHECKPOINT_TOKENS

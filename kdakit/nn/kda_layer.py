@@ -82,11 +82,11 @@ from kdakit.nn.cache import KDACache, read_layer_state
 from kdakit.nn.gated_norm import GatedRMSNorm
 from kdakit.nn.short_conv import ShortConvolution
 from kdakit.ops.kda.chunk.api import PIPELINES, chunk_kda
-from kdakit.ops.kda.decode import kda_decode
-from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
-from kdakit.ops.kda.state_pool import padded_row_writes
+from kdakit.ops.kda.serving.decode import kda_decode
+from kdakit.ops.kda.recurrent.api import fused_recurrent_kda
+from kdakit.ops.kda.serving.state_pool import padded_row_writes
 from kdakit.ops.kda.validate import INDEX_DTYPES, check_pool_rows
-from kdakit.ops.kda.workspace import check_capturable_offsets, is_capturing
+from kdakit.ops.kda.recurrent.workspace import check_capturable_offsets, is_capturing
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # the layer's out-of-range message for pool rows (``check_pool_rows``, the op's check, names the rest)

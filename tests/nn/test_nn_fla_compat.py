@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kdakit.nn import KimiDeltaAttention
-from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 from kdakit.testing import assert_close
 
 HIDDEN = 12

@@ -16,7 +16,7 @@ from kdakit.nn.kimi_linear import (
     load_kimi_linear_kda,
     swap_kimi_linear_kda,
 )
-from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 from kdakit.testing import assert_close
 
 CONFIG = {"hidden_size": 12, "rms_norm_eps": 1e-6,

@@ -11,7 +11,7 @@ from torch.overrides import resolve_name
 
 from kdakit.nn import KimiDeltaAttention, gated_norm, kda_layer
 from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 from kdakit.testing import assert_close
 
 HIDDEN, HEAD_DIM = 12, 8

@@ -2,7 +2,7 @@
 the EXACT pairwise products and one state step. Every gradient of one chunk given the state
 before it and the state gradient after it is ``chunk_bwd_windowed._chunk_grads_vloop``.
 
-Math (one chunk of C = 16 rows, state S ``[K, V]`` before it; see ``chunk_bwd_reference.py``, the
+Math (one chunk of C = 16 rows, state S ``[K, V]`` before it; see ``reference/chunk_bwd.py``, the
 float64 twin checked against autograd)::
 
     G = cumsum(a), Gam = exp(G), gC = exp(G[C-1]), kd = k exp(G[C-1] - G)
@@ -11,7 +11,7 @@ float64 twin checked against autograd)::
     forward:  O = scale ((q Gam) S + Aqk V'),  S_next = gC S + kd^T V'
     backward: dAqk = scale dO V'^T, dV' = scale Aqk^T dO + kd dS_next,
               dS = gC dS_next + scale (q Gam)^T dO - W^T dV', then dW, dU, dTinv -> dAraw, and the
-              pairwise, decay and transform terms (l2norm, gate, beta sigmoid), derived in chunk_bwd_reference.py.
+              pairwise, decay and transform terms (l2norm, gate, beta sigmoid), derived in reference/chunk_bwd.py.
 
 Pairwise matrices: SAFE (``safe_gate``: a >= -5) factors E through a mid-chunk reference and uses
 ``tl.dot``; EXACT (any gate) forms ``exp(G_i - G_j)`` for one column j at a time on ``[C, BK]``

@@ -14,7 +14,7 @@ import torch
 
 from kdakit.ops.kda.chunk_bwd import chunk_kda_bwd
 from kdakit.ops.kda.chunk_fwd import chunk_kda_fwd
-from kdakit.ops.kda.chunk_reference import INTERMEDIATE_STATE_TOKENS
+from kdakit.ops.kda.reference.chunk import INTERMEDIATE_STATE_TOKENS
 from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.plan import plan_kda, sequence_lengths
 from kdakit.ops.kda.validate import check_triton_dtypes

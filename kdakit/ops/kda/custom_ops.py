@@ -41,10 +41,10 @@ from torch import Tensor
 
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.chunk.api import chunk_kda
-from kdakit.ops.kda.decode import kda_decode
-from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
-from kdakit.ops.kda.preprocess import compute_dtype
-from kdakit.ops.kda.recurrent_backward import recurrent_kda_backward
+from kdakit.ops.kda.serving.decode import kda_decode
+from kdakit.ops.kda.recurrent.api import fused_recurrent_kda
+from kdakit.ops.kda.reference.preprocess import compute_dtype
+from kdakit.ops.kda.recurrent.backward import recurrent_kda_backward
 from kdakit.ops.kda.validate import flat_gate_params
 
 _GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")

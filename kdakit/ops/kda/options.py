@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kdakit.ops.kda.chunk_common import gate_mode
-from kdakit.ops.kda.recurrent_forward import beta_mode
+from kdakit.ops.kda.recurrent.kernels import beta_mode
 from kdakit.ops.kda.validate import KDAShape, flat_gate_params, metadata_shape, validate_kda_inputs
 
 

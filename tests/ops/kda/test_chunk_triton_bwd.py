@@ -26,8 +26,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kdakit.ops.kda.chunk_bwd_reference import chunk_kda_bwd_reference, reference_checkpoints
-from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.reference.chunk_bwd import chunk_kda_bwd_reference, reference_checkpoints
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 from kdakit.ops.kda.options import kda_options
 from kdakit.ops.kda.plan import backward_workspace_allocations, plan_kda
 from kdakit.testing import assert_close
@@ -141,7 +141,7 @@ def test_reference_twin_matches_autograd(name, safe):
 @pytest.mark.parametrize("exact", [False, True])
 def test_state_gradient_recurrence_is_state_free(exact):
     """The reverse dS recurrence of chunk_backward equals chunk_state_grad, which never sees S."""
-    from kdakit.ops.kda.chunk_bwd_reference import chunk_backward, chunk_state_grad
+    from kdakit.ops.kda.reference.chunk_bwd import chunk_backward, chunk_state_grad
 
     gen = torch.Generator().manual_seed(11)
     C, K, V = 16, 8, 6

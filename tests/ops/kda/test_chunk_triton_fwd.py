@@ -30,7 +30,7 @@ from kdakit.ops.kda.chunk_common import (  # noqa: E402
     unit_lower_inverse_doubling,
 )
 
-from kdakit.ops.kda.naive import naive_recurrent_kda  # noqa: E402
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda  # noqa: E402
 from kdakit.ops.kda.options import kda_options  # noqa: E402
 from kdakit.ops.kda.plan import (  # noqa: E402
     Allocation,
@@ -39,7 +39,7 @@ from kdakit.ops.kda.plan import (  # noqa: E402
     forward_chunk_table,
     plan_kda,
 )
-from kdakit.ops.kda.preprocess import kda_beta, kda_gate, l2norm  # noqa: E402
+from kdakit.ops.kda.reference.preprocess import kda_beta, kda_gate, l2norm  # noqa: E402
 from kdakit.testing import assert_close  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kdakit import chunk_kda
-from kdakit.ops.kda.decode import kda_decode
-from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
+from kdakit.ops.kda.serving.decode import kda_decode
+from kdakit.ops.kda.recurrent.api import fused_recurrent_kda
 from kdakit.ops.kda.validate import KDAShape, check_state_pool, flat_gate_params
 from kdakit.testing import make_kda_inputs
 

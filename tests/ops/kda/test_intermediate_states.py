@@ -7,7 +7,7 @@ import torch
 
 from kdakit import chunk_kda
 from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 from kdakit.testing import make_kda_inputs
 
 BACKENDS = ["torch"] + (["triton"] if triton_interpreting() else [])

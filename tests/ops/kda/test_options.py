@@ -12,16 +12,16 @@ import kdakit.ops.kda.chunk_bwd as chunk_bwd
 import kdakit.ops.kda.chunk_bwd_windowed as chunk_bwd_windowed
 import kdakit.ops.kda.chunk_fwd as chunk_fwd
 import kdakit.ops.kda.chunk_triton as chunk_triton
-import kdakit.ops.kda.decode as decode
-import kdakit.ops.kda.fused_recurrent as fused_recurrent
+import kdakit.ops.kda.serving.decode as decode
+import kdakit.ops.kda.recurrent.api as fused_recurrent
 import kdakit.ops.kda.options as options
-import kdakit.ops.kda.recurrent_backward as recurrent_backward
-import kdakit.ops.kda.recurrent_backward_kernels as recurrent_backward_kernels
-import kdakit.ops.kda.recurrent_backward_segmented as recurrent_backward_segmented
+import kdakit.ops.kda.recurrent.backward as recurrent_backward
+import kdakit.ops.kda.recurrent.backward_kernels as recurrent_backward_kernels
+import kdakit.ops.kda.recurrent.segmented as recurrent_backward_segmented
 from kdakit import chunk_kda, fused_recurrent_kda, kda_decode
 from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND, GATE_NONE, GATE_SOFTPLUS
 from kdakit.ops.kda.options import KDAOptions, kda_options
-from kdakit.ops.kda.recurrent_forward import BETA_RAW, BETA_SIGMOID, BETA_SIGMOID_X2
+from kdakit.ops.kda.recurrent.kernels import BETA_RAW, BETA_SIGMOID, BETA_SIGMOID_X2
 
 
 def _inputs(B=1, T=20, H=1, HV=2, K=16, V=16, seed=0):

@@ -13,9 +13,9 @@ import torch
 
 from kdakit.nn import KimiDeltaAttention
 from kdakit.ops.kda.backend import triton_interpreting
-from kdakit.ops.kda.decode import kda_decode
-from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
-from kdakit.ops.kda.recurrent_backward import recurrent_kda_backward
+from kdakit.ops.kda.serving.decode import kda_decode
+from kdakit.ops.kda.recurrent.api import fused_recurrent_kda
+from kdakit.ops.kda.recurrent.backward import recurrent_kda_backward
 from kdakit.testing import make_kda_inputs
 
 TOKENS = ("q", "k", "v", "g", "beta")

@@ -20,17 +20,17 @@ import warnings
 
 import torch
 
-from kdakit.distributed.cp import chunk_kda_cp
+from kdakit.ops.kda.chunk.cp import chunk_kda_cp
 from kdakit.ops.kda.backend import select_backend
-from kdakit.ops.kda.chunk_reference import chunked_kda_reference, chunked_kda_reference_states
+from kdakit.ops.kda.reference.chunk import chunked_kda_reference, chunked_kda_reference_states
 from kdakit.ops.kda.chunk.autograd import chunk64_kda
 from kdakit.ops.kda.chunk_triton import chunk_kda_triton, chunk_kda_triton_states
 from kdakit.ops.kda.compiled import chunk_kda_via_op
-from kdakit.ops.kda.state_pool import gather_pool_rows, scatter_pool_rows, zero_padded_outputs
+from kdakit.ops.kda.serving.state_pool import gather_pool_rows, scatter_pool_rows, zero_padded_outputs
 from kdakit.ops.kda.options import kda_options
 from kdakit.ops.kda.plan import PIPELINES as PLAN_PIPELINES, chunk64_window, gate_kind, resolve_pipeline
 from kdakit.ops.kda.validate import check_state_pool
-from kdakit.ops.kda.workspace import check_capturable_offsets, is_capturing
+from kdakit.ops.kda.recurrent.workspace import check_capturable_offsets, is_capturing
 
 # The values ``pipeline`` takes (None: the plan's default for the call's gate, ``plan.DEFAULT_PIPELINE``).
 PIPELINES = (None,) + PLAN_PIPELINES
@@ -102,7 +102,7 @@ def chunk_kda(
             would need the read). Without it ``cu_seqlens`` is read to the host once per call.
             Needs ``cu_seqlens``.
         cp_context: a ``kdakit.build_cp_context`` context: context parallelism over its process
-            group (q..beta hold this rank's local tokens; see ``kdakit/distributed/cp.py``).
+            group (q..beta hold this rank's local tokens; see ``kdakit/ops/kda/chunk/cp.py``).
             ``cu_seqlens`` comes from the context. kdakit extension: ``initial_state`` is then the
             global ``[N, HV, ...]`` (same on every rank) and ``output_final_state`` returns the
             global states of the sequences that end on this rank (zeros elsewhere).

@@ -60,7 +60,7 @@ def _run(fn, x, cu, do, dht, gate, **kw):
 
 
 def _reference(x, cu, do, dht, gate):
-    from kdakit.ops.kda.chunk_reference import chunked_kda_reference
+    from kdakit.ops.kda.reference.chunk import chunked_kda_reference
 
     def fn(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, safe_gate, **kw):
         f64 = [t.double() if t is not None else None for t in (q, k, v, g, beta, A_log, dt_bias, initial_state)]

@@ -74,7 +74,7 @@ def _backward(c, flags, plan, ckpts, **extra):
 
 
 def _reference_grads(c, flags):
-    from kdakit.ops.kda.chunk_reference import chunked_kda_reference
+    from kdakit.ops.kda.reference.chunk import chunked_kda_reference
 
     names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias"] + (["h0"] if c["h0"] is not None else [])
     leaves = {n: c[n].detach().double().requires_grad_(True) for n in names}
@@ -151,7 +151,7 @@ def test_backward_reset_decays_finite():
     plan = _plan(c)
     _, _, ckpts = _forward(c, flags, plan)
     got = dict(zip(NAMES, _backward(c, flags, plan, ckpts)))
-    from kdakit.ops.kda.chunk_reference import chunked_kda_reference
+    from kdakit.ops.kda.reference.chunk import chunked_kda_reference
     leaves = [c[n].detach().double().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
     o, final = chunked_kda_reference(*leaves, scale=D ** -0.5, output_final_state=True, cu_seqlens=c["cu"],
                                      **{k: v for k, v in flags.items() if k != "safe_gate"})

@@ -51,7 +51,7 @@ def _forward(q, k, v, g, beta, *, plan=None, **kw):
 
 
 def _reference(q, k, v, g, beta, *, initial_state=None, **kw):
-    from kdakit.ops.kda.chunk_reference import chunked_kda_reference
+    from kdakit.ops.kda.reference.chunk import chunked_kda_reference
 
     kw = {key: val for key, val in kw.items() if key not in ("safe_gate", "plan")}
     for name in ("A_log", "dt_bias"):

@@ -4,12 +4,12 @@ bitwise reruns, CUDA-graph capture (no allocation) and replay == eager."""
 import pytest
 import torch
 
-from kdakit.ops.kda.decode import decode_options, kda_decode, kda_decode_reference
-from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
-from kdakit.ops.kda.naive import naive_recurrent_kda
-from kdakit.ops.kda.recurrent_backward import GRAD_NAMES, recurrent_kda_backward
-from kdakit.ops.kda.recurrent_backward_segmented import backward_scratch_bytes
-from kdakit.ops.kda.workspace import Workspace
+from kdakit.ops.kda.serving.decode import decode_options, kda_decode, kda_decode_reference
+from kdakit.ops.kda.recurrent.api import fused_recurrent_kda
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
+from kdakit.ops.kda.recurrent.backward import GRAD_NAMES, recurrent_kda_backward
+from kdakit.ops.kda.recurrent.segmented import backward_scratch_bytes
+from kdakit.ops.kda.recurrent.workspace import Workspace
 from kdakit.testing import assert_close, make_kda_inputs
 
 from ...capture import capture_after_warm_call
@@ -315,9 +315,9 @@ def test_decode_large_batch():
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_decode_step_kernel_gives_the_pool_kernels_bits(monkeypatch, pool_dtype):
-    """The one-token step kernel (decode_step.py, [8, K] tiles) against the pool kernel it stands in for
+    """The one-token step kernel (serving/step.py, [8, K] tiles) against the pool kernel it stands in for
     ([16, K] tiles) at a real shape: the same bits, padded rows included."""
-    import kdakit.ops.kda.decode as decode
+    import kdakit.ops.kda.serving.decode as decode
 
     N, P = 64, 80
     t, kw = _decode_inputs(14, N, 1)

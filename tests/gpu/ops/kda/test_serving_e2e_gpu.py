@@ -1,4 +1,4 @@
-"""GPU tier of the end-to-end serving loop (tests/ops/kda/test_serving_e2e.py) at real shapes: K = V = 128,
+"""GPU tier of the end-to-end serving loop (tests/ops/kda/serving/test_serving_e2e.py) at real shapes: K = V = 128,
 HV = 32 value heads (GVA 2x in the fp32 case), up to 64 requests active at once over one pool of
 4 speculative rows each, 96 requests arriving in bursts so that freed rows are reused. The
 recurrent/decode ops run the Triton kernels compiled for the device; chunk_kda prefill runs on the
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _e2e():
-    spec = importlib.util.spec_from_file_location("serving_e2e", Path(__file__).parents[3] / "ops" / "kda" / "test_serving_e2e.py")
+    spec = importlib.util.spec_from_file_location("serving_e2e", Path(__file__).parents[3] / "ops" / "kda" / "serving" / "test_serving_e2e.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)

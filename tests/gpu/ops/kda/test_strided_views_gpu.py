@@ -7,8 +7,8 @@ multi-token and packed steps (pool rows, a strided ``out``), and the FLA serving
 import pytest
 import torch
 
-from kdakit.ops.kda.decode import kda_decode
-from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
+from kdakit.ops.kda.serving.decode import kda_decode
+from kdakit.ops.kda.recurrent.api import fused_recurrent_kda
 from kdakit.testing import make_kda_inputs
 
 pytestmark = pytest.mark.gpu

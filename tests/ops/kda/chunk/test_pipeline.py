@@ -9,7 +9,7 @@ import torch
 
 from kdakit.ops.kda.chunk.autograd import chunk64_kda
 from kdakit.ops.kda.chunk.plan import make_chunk_plan
-from kdakit.ops.kda.chunk_reference import chunked_kda_reference
+from kdakit.ops.kda.reference.chunk import chunked_kda_reference
 from kdakit.ops.kda.options import kda_options
 
 GATES = {

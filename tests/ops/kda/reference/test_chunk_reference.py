@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kdakit import chunk_kda, naive_recurrent_kda
-from kdakit.ops.kda.chunk_reference import chunked_kda_reference
+from kdakit.ops.kda.reference.chunk import chunked_kda_reference
 from kdakit.testing import SPEC_RMS_LIMITS, assert_close, compare_with_naive, make_kda_inputs, set_token_options
 
 EXACT = 1e-10  # relative RMS in float64 (issue 2: all gradients to <= 1e-10)
@@ -205,7 +205,7 @@ def test_resets_in_float32_keep_float32_accuracy(monkeypatch):
 
 def test_log_decay_floor_is_the_triton_kernels_rule():
     from kdakit.ops.kda import chunk_common
-    from kdakit.ops.kda.preprocess import LOG_DECAY_FLOOR, floor_log_decay
+    from kdakit.ops.kda.reference.preprocess import LOG_DECAY_FLOOR, floor_log_decay
 
     assert chunk_common.LOG_DECAY_FLOOR is LOG_DECAY_FLOOR == -110.0  # one constant for both backends
     a = torch.tensor([float("-inf"), -1000.0, -110.0, -109.5, float("nan"), -0.5], requires_grad=True)

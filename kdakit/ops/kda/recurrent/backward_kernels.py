@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import GATE_NONE, gate_log_decay_bwd, l2norm_rows, l2norm_rows_bwd, seq_bounds
 from kdakit.ops.kda.options import KDAOptions
-from kdakit.ops.kda.recurrent_forward import (
+from kdakit.ops.kda.recurrent.kernels import (
     beta_value,
     delta_rule_tile,
     key_value_offsets,
@@ -30,7 +30,7 @@ from kdakit.ops.kda.recurrent_forward import (
     state_tile,
     token_strides,
 )
-from kdakit.ops.kda.workspace import Workspace, check_out
+from kdakit.ops.kda.recurrent.workspace import Workspace, check_out
 
 # ---------------------------------------------------------------------------------------------
 # Configuration

@@ -31,14 +31,102 @@ No tokens cross ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
-from kdakit.distributed.context import CPContext
-from kdakit.ops.kda.preprocess import compute_dtype
+from kdakit.ops.kda.reference.preprocess import compute_dtype
 from kdakit.ops.kda.validate import STATE_DTYPES, validate_kda_inputs
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+@dataclass(frozen=True)
+class ChainSlot:
+    """One chain interval ``[start, end)`` of the global token order (kdakit metadata).
+
+    ``seq_ids``: global ids of the positive-length sequences overlapping it, in order.
+    ``pre`` / ``post``: earlier / later intervals the first / last of them spans (FLA's
+    pre_num_ranks / post_num_ranks). ``empty_ids``: zero-length sequences whose offset falls
+    here (they have an initial and a final state but no token; this interval's rank owns them).
+    ``rank`` / ``part``: where the interval lives (part 0 = front, 1 = zigzag back).
+    """
+    index: int
+    start: int
+    end: int
+    seq_ids: tuple[int, ...]
+    pre: int
+    post: int
+    empty_ids: tuple[int, ...]
+    rank: int
+    part: int
+
+    @property
+    def passthrough(self) -> bool:
+        """One sequence enters from the previous interval and leaves into the next: its outgoing
+        state depends on the incoming one (through M)."""
+        return self.pre > 0 and self.post > 0 and len(self.seq_ids) == 1
+
+
+@dataclass
+class CPContext:
+    """Sequence partition and communication metadata for context parallelism (FLA 0.6.0's
+    ``FLACPContext`` fields, plus kdakit's chain metadata). Build it with ``build_cp_context``."""
+    group: object = None
+    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_cpu: torch.Tensor | None = None
+    is_last_rank: bool | None = None
+    pre_num_ranks: int | None = None
+    is_first_rank: bool | None = None
+    post_num_ranks: int | None = None
+    conv1d_kernel_size: int | None = None
+    pre_num_conv_tokens: int | None = None
+    # FLA's CUDA-graph device scalars; kdakit has no graph mode and keeps them None.
+    pre_num_ranks_dev: torch.Tensor | None = None
+    post_num_ranks_dev: torch.Tensor | None = None
+    layout: str = "contiguous"
+    part_len: int | None = None
+    front_num_seqs: int | None = None
+    pre_num_ranks_by_part: tuple[int, int] | None = None
+    post_num_ranks_by_part: tuple[int, int] | None = None
+    is_first_by_part: tuple[bool, bool] | None = None
+    is_last_by_part: tuple[bool, bool] | None = None
+    pre_num_conv_tokens_by_part: tuple[int, int] | None = None
+    # kdakit: world size and rank in ``group``, the global offsets, every interval of the chain
+    # and the indices (into ``chain``) of this rank's parts in local-buffer order.
+    world_size: int | None = None
+    rank: int | None = None
+    global_cu_seqlens_cpu: torch.Tensor | None = None
+    chain: tuple[ChainSlot, ...] = field(default_factory=tuple)
+    local_slots: tuple[int, ...] = field(default_factory=tuple)
+
+    def copy_for_backward(self) -> "CPContext":
+        """A copy with cloned offsets (FLA's hook for pipeline parallelism)."""
+        return replace(
+            self,
+            cu_seqlens=self.cu_seqlens.clone() if self.cu_seqlens is not None else None,
+            cu_seqlens_cpu=self.cu_seqlens_cpu.clone() if self.cu_seqlens_cpu is not None else None,
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of local sequences (pieces) on this rank."""
+        return 0 if self.cu_seqlens is None else len(self.cu_seqlens) - 1
+
+    @property
+    def is_cp_enabled(self) -> bool:
+        return self.group is not None
+
+    @property
+    def num_global_seqs(self) -> int:
+        return len(self.global_cu_seqlens_cpu) - 1
+
+    @property
+    def has_boundaries(self) -> bool:
+        """Whether any sequence crosses an interval boundary (else no rank exchanges anything)."""
+        return any(s.post > 0 for s in self.chain)
+
 
 
 @dataclass(frozen=True)

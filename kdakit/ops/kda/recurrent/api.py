@@ -19,11 +19,11 @@ import torch
 
 from kdakit.ops.kda.backend import select_backend
 from kdakit.ops.kda.compiled import fused_recurrent_kda_via_op
-from kdakit.ops.kda.decode import fused_recurrent_kda_serving
-from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.serving.decode import fused_recurrent_kda_serving
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 from kdakit.ops.kda.options import kda_options
-from kdakit.ops.kda.recurrent_backward import run_recurrent_backward
-from kdakit.ops.kda.recurrent_forward import (
+from kdakit.ops.kda.recurrent.backward import run_recurrent_backward
+from kdakit.ops.kda.recurrent.kernels import (
     BETA_RAW,
     BETA_SIGMOID,
     BETA_SIGMOID_X2,
@@ -43,8 +43,8 @@ from kdakit.ops.kda.recurrent_forward import (
     qk_activation,
     softplus_fp32,
 )
-from kdakit.ops.kda.preprocess import L2NORM_EPS, SOFTPLUS_THRESHOLD
-from kdakit.ops.kda.workspace import (
+from kdakit.ops.kda.reference.preprocess import L2NORM_EPS, SOFTPLUS_THRESHOLD
+from kdakit.ops.kda.recurrent.workspace import (
     Workspace,
     call_signature,
     check_capturable_offsets,
@@ -184,7 +184,7 @@ def fused_recurrent_kda(
             (``kdakit.recurrent_kda_backward``).
         cu_seqlens_cpu: the host copy of ``cu_seqlens`` (as ``chunk_kda``): validation reads it
             and never ``cu_seqlens``, so the forward makes no device->host synchronization and
-            captures in a plain ``torch.cuda.graph`` (see ``kdakit/ops/kda/workspace.py``).
+            captures in a plain ``torch.cuda.graph`` (see ``kdakit/ops/kda/recurrent/workspace.py``).
 
     Serving arguments (FLA 0.6.0's ``fused_recurrent_kda_fwd``, the vLLM entry; forward only):
         ssm_state_indices: int32/int64 ``[N]`` or ``[N, S]``: initial_state is then a state
@@ -204,7 +204,7 @@ def fused_recurrent_kda(
             anything. FLA does not check; its kernel addresses memory outside the pool for a
             negative entry it reads, which kdakit refuses. Unchecked, a read row outside the
             pool is never dereferenced: that sequence gets zeros and writes nothing.
-        See ``kdakit.ops.kda.decode.fused_recurrent_kda_serving`` for the full contract (it
+        See ``kdakit.ops.kda.serving.decode.fused_recurrent_kda_serving`` for the full contract (it
         shares ``kdakit.kda_decode``'s kernel).
 
     Gradients flow to q, k, v, g, beta, A_log, dt_bias and initial_state; the backward

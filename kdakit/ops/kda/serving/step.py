@@ -18,7 +18,7 @@ step per graph replay: bf16 37.5 us (a same-size copy: 36.6 us), fp32 70.9 us (r
 where the pool kernel took 44.8 and 77.7 us (results/dev_decode_tiles_h200.json, dev_decode_h200_8c55b71.json).
 
 PyTorch twin: ``decode.pool_recurrent_reference``, the pool kernel's, whose semantics this kernel keeps
-(tests/ops/kda/test_decode_step.py checks the two kernels' bits against each other).
+(tests/ops/kda/serving/test_step.py checks the two kernels' bits against each other).
 
 Limits (``step_kernel_applies``): one token per sequence, ``[N]`` indices, the pool updated in place,
 value-first, K a power of two <= 256, V a multiple of the tile. Everything else runs on the pool kernel.
@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kdakit.ops.kda.backend import triton_interpreting
 from kdakit.ops.kda.chunk_common import round_to_bf16_if
-from kdakit.ops.kda.recurrent_forward import MAX_HEAD_DIM, state_tile_step, token_activations
+from kdakit.ops.kda.recurrent.kernels import MAX_HEAD_DIM, state_tile_step, token_activations
 
 # ---------------------------------------------------------------------------------------------
 # Configuration

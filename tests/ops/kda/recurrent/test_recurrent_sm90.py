@@ -9,12 +9,12 @@ build. Built without a GPU (Triton's own LLVM and ptxas) in a process without TR
 configs the launchers use (K = V = 128, bf16 tokens, fp32 states).
 """
 
-from ._sm90_build import read_reports, run_sm90_build
+from .._sm90_build import read_reports, run_sm90_build
 
 BUILD = """
 from tests.ops.kda._sm90_build import print_reports, sm90_report
-import kdakit.ops.kda.recurrent_backward_kernels as B
-import kdakit.ops.kda.recurrent_forward as R
+import kdakit.ops.kda.recurrent.backward_kernels as B
+import kdakit.ops.kda.recurrent.kernels as R
 
 PTR = {n: "*bf16" for n in ("q", "k", "v", "g", "beta", "do", "dv")}
 PTR.update({n: "*fp32" for n in ("A_log", "dt_bias", "h0", "ht", "dht", "dh0", "ud", "dq_part", "dk_part", "x_part",

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kdakit.ops.kda.preprocess import SOFTPLUS_THRESHOLD, kda_beta, kda_gate, l2norm, l2norm_rstd
+from kdakit.ops.kda.reference.preprocess import SOFTPLUS_THRESHOLD, kda_beta, kda_gate, l2norm, l2norm_rstd
 
 CHUNK = 16
 

@@ -7,8 +7,8 @@ over a runtime token count), so the comparison with FLA itself is the GPU test
 import pytest
 import torch
 
-from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
-from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.recurrent.api import fused_recurrent_kda
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 from kdakit.testing import assert_close, make_kda_inputs
 
 FP32_RATIO = 5e-5  # fp32 kernels vs the float64 definition (observed ~1e-7)

@@ -1,13 +1,13 @@
-"""The one-token step kernel (kdakit/ops/kda/decode_step.py): which launches it takes, and that it gives
+"""The one-token step kernel (kdakit/ops/kda/serving/step.py): which launches it takes, and that it gives
 the pool kernel's bits (interpreter) on every option set, pool dtype, padded and out-of-range rows and
 padded pool rows. Accuracy against the float64 definition is test_decode.py's (it runs through this kernel)."""
 
 import pytest
 import torch
 
-import kdakit.ops.kda.decode as decode
-import kdakit.ops.kda.decode_step as decode_step
-from kdakit.ops.kda.decode import kda_decode
+import kdakit.ops.kda.serving.decode as decode
+import kdakit.ops.kda.serving.step as decode_step
+from kdakit.ops.kda.serving.decode import kda_decode
 from kdakit.testing import make_kda_inputs
 
 

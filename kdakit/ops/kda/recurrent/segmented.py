@@ -22,15 +22,15 @@ import torch
 import triton
 
 from kdakit.ops.kda.options import KDAOptions
-from kdakit.ops.kda.recurrent_backward_kernels import (
+from kdakit.ops.kda.recurrent.backward_kernels import (
     BWD_BLOCK_V,
     KDAGrads,
     grad_outputs,
     launch_recurrent_backward,
     scratch_shapes,
 )
-from kdakit.ops.kda.recurrent_forward import DEFAULT_SEGMENT_TOKENS, launch_recurrent_forward
-from kdakit.ops.kda.workspace import Workspace, is_capturing
+from kdakit.ops.kda.recurrent.kernels import DEFAULT_SEGMENT_TOKENS, launch_recurrent_forward
+from kdakit.ops.kda.recurrent.workspace import Workspace, is_capturing
 
 
 SEG = "recurrent_bwd.seg."

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from kdakit.ops.kda.fused_recurrent import fused_recurrent_kda
-from kdakit.ops.kda.naive import naive_recurrent_kda
-from kdakit.ops.kda.recurrent_backward import GRAD_NAMES, KDAGrads, recurrent_kda_backward, scratch_shapes
-from kdakit.ops.kda.recurrent_backward_segmented import SEG, backward_scratch_bytes, segmented_scratch_shapes
-from kdakit.ops.kda.workspace import Workspace
+from kdakit.ops.kda.recurrent.api import fused_recurrent_kda
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
+from kdakit.ops.kda.recurrent.backward import GRAD_NAMES, KDAGrads, recurrent_kda_backward, scratch_shapes
+from kdakit.ops.kda.recurrent.segmented import SEG, backward_scratch_bytes, segmented_scratch_shapes
+from kdakit.ops.kda.recurrent.workspace import Workspace
 from kdakit.testing import assert_close, make_kda_inputs, run_kda
 
 SEED = 7
@@ -257,7 +257,7 @@ def _fwd(t, kw, **extra):
 
 
 @pytest.mark.parametrize("extra, exc, pattern", [
-    # the serving arguments (tests/ops/kda/test_serving_args.py covers them): 4 tokens cannot fill FLA's 1-row final state
+    # the serving arguments (tests/ops/kda/serving/test_serving_args.py covers them): 4 tokens cannot fill FLA's 1-row final state
     (dict(ssm_state_indices=torch.zeros(1, dtype=torch.int32)), ValueError, "exactly N=1 tokens"),
     (dict(num_accepted_tokens=torch.ones(1, dtype=torch.int32)), ValueError, "needs ssm_state_indices"),
     (dict(chunk_size=64), TypeError, "unexpected keyword"),

@@ -46,9 +46,9 @@ import triton
 
 from kdakit.ops.kda.backend import select_backend, triton_interpreting
 from kdakit.ops.kda.compiled import kda_decode_via_op
-from kdakit.ops.kda.decode_step import launch_pool_step, step_kernel_applies
+from kdakit.ops.kda.serving.step import launch_pool_step, step_kernel_applies
 from kdakit.ops.kda.options import KDAOptions, kda_options
-from kdakit.ops.kda.recurrent_forward import (
+from kdakit.ops.kda.recurrent.kernels import (
     OUT_O,
     WRITE_FINAL_TO_READ_ROW,
     WRITE_NONE,
@@ -58,9 +58,9 @@ from kdakit.ops.kda.recurrent_forward import (
     check_kernel_layout,
     token_strides,
 )
-from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
+from kdakit.ops.kda.reference.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
 from kdakit.ops.kda.validate import STATE_DTYPES, check_index_tensor, check_pool_rows, check_triton_dtypes
-from kdakit.ops.kda.workspace import (
+from kdakit.ops.kda.recurrent.workspace import (
     Workspace,
     call_signature,
     check_capturable_offsets,
@@ -324,7 +324,7 @@ def kda_decode(
         workspace: ``kdakit.Workspace`` recording prepared calls for CUDA graphs (default:
             the stream-local one). Not needed to capture: the step uses no scratch, so it
             captures in a plain ``torch.cuda.graph`` like any PyTorch op (``out`` optional,
-            see ``kdakit/ops/kda/workspace.py``).
+            see ``kdakit/ops/kda/recurrent/workspace.py``).
 
     Returns:
         o ``[B, T, HV, V]`` in v's dtype (zeros for padded sequences).

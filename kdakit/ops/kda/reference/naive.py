@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kdakit.ops.kda.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
+from kdakit.ops.kda.reference.preprocess import compute_dtype, kda_beta, kda_gate, l2norm
 
 
 def naive_recurrent_kda(

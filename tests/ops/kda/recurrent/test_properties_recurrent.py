@@ -18,8 +18,8 @@ from kdakit.testing import assert_close
 
 pytest.register_assert_rewrite(__package__ + "._properties_common")  # its asserts report as a test module's do
 
-from . import _properties_common as _common
-from ._properties_common import (DTYPES, POSITIONAL, _call, _grow, _naive, _settings, _state_corruptions,
+from .. import _properties_common as _common
+from .._properties_common import (DTYPES, POSITIONAL, _call, _grow, _naive, _settings, _state_corruptions,
                                  _token_corruptions, cases, check_against_definition, expect_refusal,
                                  invalid_bases, itertools_accumulate, make_inputs)
 

@@ -4,8 +4,8 @@ rows for speculative decoding, bf16 state) on the Triton interpreter and the PyT
 import pytest
 import torch
 
-from kdakit.ops.kda.decode import decode_options, kda_decode, kda_decode_reference
-from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.serving.decode import decode_options, kda_decode, kda_decode_reference
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 from kdakit.testing import assert_close, make_kda_inputs
 
 FP32_RATIO = 5e-5  # fp32 decode vs the float64 definition (observed ~1e-7)
@@ -317,7 +317,7 @@ def test_decode_rejects_a_pool_on_another_device(backend):
 
 def test_decode_launch_config_rule():
     """The wide tile from the swept grid size on, one-token steps only (the sweep measured only those)."""
-    from kdakit.ops.kda.decode import (DECODE_BLOCK_V, DECODE_NUM_WARPS, WIDE_DECODE_BLOCK_V,
+    from kdakit.ops.kda.serving.decode import (DECODE_BLOCK_V, DECODE_NUM_WARPS, WIDE_DECODE_BLOCK_V,
                                        WIDE_DECODE_NUM_WARPS, decode_launch_config)
 
     small, wide = (DECODE_BLOCK_V, DECODE_NUM_WARPS), (WIDE_DECODE_BLOCK_V, WIDE_DECODE_NUM_WARPS)
@@ -334,7 +334,7 @@ def test_wide_and_small_decode_tiles_agree_under_the_interpreter():
     import os
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("interpreter tier")
-    from kdakit.ops.kda.decode import decode_options, launch_kda_decode
+    from kdakit.ops.kda.serving.decode import decode_options, launch_kda_decode
 
     gen = torch.Generator().manual_seed(5)
     N, H, K, V = 3, 2, 16, 128  # V = 128: the wide tile (64 rows) and the small one (16) both split it

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdakit.ops.kda.preprocess import compute_dtype, floor_log_decay, kda_beta, kda_gate, l2norm
+from kdakit.ops.kda.reference.preprocess import compute_dtype, floor_log_decay, kda_beta, kda_gate, l2norm
 
 # 16 measured fastest on 2 CPU cores at T=4096, H=4, D=128 (fwd+bwd 2.0 s vs 3.5 s at 32, 6.7 s at 64).
 DEFAULT_CHUNK_SIZE = 16

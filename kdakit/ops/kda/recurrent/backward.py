@@ -69,9 +69,9 @@ from __future__ import annotations
 import torch
 
 from kdakit.ops.kda.backend import select_backend
-from kdakit.ops.kda.naive import naive_recurrent_kda
+from kdakit.ops.kda.reference.naive import naive_recurrent_kda
 from kdakit.ops.kda.options import KDAOptions, kda_options
-from kdakit.ops.kda.recurrent_backward_kernels import (
+from kdakit.ops.kda.recurrent.backward_kernels import (
     BWD_BLOCK_V,
     BWD_NUM_WARPS,
     GRAD_NAMES,
@@ -82,9 +82,9 @@ from kdakit.ops.kda.recurrent_backward_kernels import (
     launch_recurrent_backward,
     scratch_shapes,
 )
-from kdakit.ops.kda.recurrent_backward_segmented import launch_segmented_backward, segment_plan
-from kdakit.ops.kda.recurrent_forward import DEFAULT_SEGMENT_TOKENS, check_kernel_layout, check_segment_tokens
-from kdakit.ops.kda.workspace import (
+from kdakit.ops.kda.recurrent.segmented import launch_segmented_backward, segment_plan
+from kdakit.ops.kda.recurrent.kernels import DEFAULT_SEGMENT_TOKENS, check_kernel_layout, check_segment_tokens
+from kdakit.ops.kda.recurrent.workspace import (
     Workspace,
     call_signature,
     check_out,
@@ -178,7 +178,7 @@ def recurrent_kda_backward(
     inputs (through l2norm, gate and sigmoid).
 
     Any T >= 1 (and zero-length varlen sequences), N, H, HV. Bitwise deterministic.
-    CUDA graphs: see ``kdakit/ops/kda/workspace.py`` (pass ``out`` with all gradients
+    CUDA graphs: see ``kdakit/ops/kda/recurrent/workspace.py`` (pass ``out`` with all gradients
     and one workspace; make one eager warm call first). The segmented path is capturable
     too: its gather buffers and checkpoints are workspace buffers sized by the warm call,
     and with ``cu_seqlens`` its segment plan is read on the host by the warm call and
