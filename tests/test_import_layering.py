@@ -227,3 +227,26 @@ def test_function_level_imports_listed():
     got = {(m, t) for m, t, _ in NESTED}
     assert got == KNOWN_FUNCTION_LEVEL, (
         f"unlisted: {sorted(got - KNOWN_FUNCTION_LEVEL)}; stale: {sorted(KNOWN_FUNCTION_LEVEL - got)}")
+
+
+# The package's floors, bottom up: a module imports only from its own floor or those below it.
+FLOORS = (
+    ("kdakit.ops",),
+    ("kdakit.distributed", "kdakit.nn", "kdakit.memory", "kdakit.testing"),
+    ("kdakit.demo", "kdakit.cli", "kdakit.__main__", "kdakit"),
+)
+# The one edge up the floors: the subprocess the memory tools start calls the public API, as a user's script does.
+UPWARD_ALLOWED = {("kdakit.memory.measure_worker", "kdakit")}
+
+
+def floor_of(mod: str) -> int:
+    for level, prefixes in enumerate(FLOORS):
+        if any(mod == p or mod.startswith(p + ".") for p in prefixes if p != "kdakit") or mod in prefixes:
+            return level
+    raise AssertionError(f"{mod} is on no floor of FLOORS")
+
+
+def test_no_import_runs_up_the_floors():
+    up = sorted((mod, target) for mod, targets in GRAPH.items() for target in targets
+                if floor_of(target) > floor_of(mod) and (mod, target) not in UPWARD_ALLOWED)
+    assert not up, f"imports from a lower floor to a higher one: {up}"
