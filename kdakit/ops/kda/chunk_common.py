@@ -304,7 +304,7 @@ def gate_from_preact(x, t0, n_rows, col0, K, expA, lower_bound,
     c = col0 + tl.arange(0, BC)
     mask = (r < n_rows)[:, None] & (c < K)[None, :]
     # NaN-propagating max (PTX max.NaN.f32): the plain max.f32 returns the non-NaN operand, so a NaN gate would
-    # load as the floor, a finite reset, on the GPU only (tests/gpu/ops/kda/test_nonfinite_gpu.py failed so, b6dd5fc)
+    # load as the floor, a finite reset, on the GPU only (tests/gpu/ops/kda/test_nonfinite_gpu.py checks it)
     return tl.where(mask, tl.maximum(a, LOG_DECAY_FLOOR_TL, propagate_nan=tl.PropagateNan.ALL), 0.0)
 
 

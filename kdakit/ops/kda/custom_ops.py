@@ -1,4 +1,4 @@
-"""kdakit's ops registered with ``torch.library`` (issue #13 item 7): ``torch.ops.kdakit.*``.
+"""kdakit's ops registered with ``torch.library``: ``torch.ops.kdakit.*``.
 
 =============================  ===================================================  ==============
 op                             what                                                 autograd

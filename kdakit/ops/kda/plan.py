@@ -53,9 +53,8 @@ CHUNK_SIZE = 16
 DEFAULT_CHECKPOINT_TOKENS = 2048
 DEFAULT_RECOMPUTE_TOKENS = 256
 # The default cadence is the densest of these whose predicted peak stays within PEAK_BUDGET x the floor
-# (the SPEC's allocated-memory target). At L = 256 (= the backward's window) the backward's window-start
-# stage has nothing to do: forward+backward 28.9 ms at L = 2048, 27.3 at 512 (the stage walks half the
-# tokens), 25.3 at 256 (H200, 1x8K H96, fp32 checkpoints). Windows are 256 tokens, so 256 is the densest.
+# (the SPEC's allocated-memory target). A denser cadence leaves the backward's window-start stage less to walk
+# (at L = 256, the backward's window, nothing), so the densest that fits is the fastest.
 DENSE_CHECKPOINT_TOKENS = (256, 512, 1024)
 PEAK_BUDGET = 1.10
 H200_SMS = 132
@@ -455,9 +454,8 @@ def _plan_cached(backend, B, T, H, HV, K, V, dtype, lengths, varlen, checkpoint_
                  initial_state_dtype, output_final_state, gate_params, block_v, num_sms,
                  checkpoint_dtype, gate="safe", g_dtype=None) -> KDAPlan:
     """plan_kda's body on normalized, hashable arguments, memoized: a training loop plans the same shapes every
-    step, and building the plan was most of kdakit's host time per call (~0.4 ms on the 2-core CPU machine;
-    on the H200 host the forward's wall time exceeded its kernel time by ~1.5 ms at 1 x 8K H96). KDAPlan is
-    frozen, so one object can serve every call."""
+    step, and building the plan was most of kdakit's host time per call. KDAPlan is frozen, so one object can
+    serve every call."""
     N = len(lengths)
     if backend == "triton" and (K > 128 or V > 128):
         raise ValueError(f"the Triton kernels support K, V <= 128, got K={K}, V={V} (plan_kda(backend='torch') "

@@ -138,7 +138,7 @@ def _check_gate_param(name: str, t, HV: int, K: int, dtypes, engine_shapes: bool
     # The kernels read gate parameters as dense vectors (the chunk kernels' stride_alog /
     # stride_bias is stride(0) of a 1-D tensor; the others assume stride 1): a strided view
     # (e.g. ``big[::2]``, or ``w[:, :K]`` of a wider [HV, K'] tensor) is refused on every backend
-    # rather than read wrongly (the H200 gave a silently wrong output for one). is_contiguous()
+    # rather than read wrongly (a kernel would give a silently wrong output). is_contiguous()
     # ignores the strides of size-1 dims, which no read ever steps along, so a contiguous tensor
     # of an engine shape always has a flat view (``flat_gate_params``) with element stride 1.
     if not t.is_contiguous():

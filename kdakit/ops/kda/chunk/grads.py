@@ -67,7 +67,7 @@ GRADS_WY_NUM_WARPS = 4
 GRADS_WY_NUM_STAGES = 3
 GRADS_WY_DV_STAGES = {"bf16": 2, "fp32": 1}  # chunk_grads_wy_dv_kernel (fp32 operands spill at 2 stages)
 GRADS_WY_BLOCKS = {"bf16": (32, 32), "fp32": (32, 32)}  # chunk_grads_wy_kernel: a program's key block, V step
-# (bf16 at (32, 64) and 4 warps built without spills but faulted on the H200: out-of-range shared address)
+# (bf16 at (32, 64) and 4 warps built without spills but faulted on sm_90a: out-of-range shared address)
 GRADS_WY_DV_BLOCKS = {"bf16": (64, 128), "fp32": (64, 32)}  # chunk_grads_wy_dv_kernel: inner K step, V step
 
 

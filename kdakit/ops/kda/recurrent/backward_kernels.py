@@ -36,9 +36,8 @@ from kdakit.ops.kda.recurrent.workspace import Workspace, check_out
 # Configuration
 # ---------------------------------------------------------------------------------------------
 
-# V columns per recurrence program (the dq/dk/Z partials scale with cdiv(V, BWD_BLOCK_V)). On the
-# H200 (B=4, T=1024, H=16, K=V=128): 32 columns, 2 warps: 6.1 ms and 417 MiB of scratch; 16
-# columns: 6.8 ms, 802 MiB; 64 columns, 4 warps: 6.8 ms, 225 MiB.
+# V columns per recurrence program (the dq/dk/Z partials scale with cdiv(V, BWD_BLOCK_V)): 32 columns on 2 warps
+# were faster than 16 or 64 (docs/perf_notes.md, "Launch configs").
 BWD_BLOCK_V = 32
 BWD_NUM_WARPS = 2
 REDUCE_BLOCK_T = 16     # tokens per block in the token-parallel reductions

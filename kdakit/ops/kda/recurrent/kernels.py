@@ -46,10 +46,8 @@ from kdakit.ops.kda.validate import check_token_strides, check_triton_dtypes
 # ---------------------------------------------------------------------------------------------
 
 MAX_HEAD_DIM = 256          # BK = next_pow2(K) lives in registers with a [BV, BK] state tile
-# State rows per program and warps of the forward: on the H200 (B=4, T=1024, H=16, K=V=128) 16 value rows
-# with 4 warps ran the forward in 1.14 ms against 1.56 ms for 32 (more programs in flight). Measured on the
-# key-first [BK, BV] kernel that this one replaced (2026-12-01); this [BV, BK] recurrence at the same config:
-# 1.143 ms (2026-12-02, results/recurrent_h200.json; sm_90a: 77 registers, no spills).
+# State rows per program and warps of the forward: 16 value rows on 4 warps put more programs in flight than 32
+# and were faster (docs/perf_notes.md, "Launch configs").
 FWD_BLOCK_V = 16
 FWD_NUM_WARPS = 4
 
@@ -233,8 +231,7 @@ def state_tile_step(S, b_q, b_k, b_v, b_a, b_beta, scale, ROUND_STATE: tl.conste
     if ROUND_STATE:
         if NATIVE_ROUND:
             # the GPU's round-to-nearest-even cast (one instruction per two elements); the integer recipe, which
-            # the interpreter needs, gives the same bits for finite values and made a one-token bf16 step at
-            # N = 64 1 % slower (43.3 vs 42.8 us in the loop-free prototype, results/dev_decode_tiles_h200.json)
+            # the interpreter needs, gives the same bits for finite values and is slower on the GPU
             S = S.to(tl.bfloat16).to(tl.float32)
         else:
             S = round_to_bf16(S)

@@ -73,15 +73,11 @@ from kdakit.ops.kda.recurrent.workspace import (
 # Configuration
 # ---------------------------------------------------------------------------------------------
 
-# Launch configs of the pool kernel (``decode_launch_config``). Swept on the H200 (2026-12-01,
-# benchmarks/results/recurrent_sweep_h200.json: HV=32, K=V=128, one token, CUDA-graph replay, fraction of
-# a 4.27 TB/s device copy, block_v 8-64 x 1-8 warps): at N=64 a [16, K] tile per one-warp program is the
-# fastest (fp32 0.81, bf16 0.69); from N=256 on, [64, K] tiles on two warps are (fp32 0.86-0.89 vs
-# 0.84 for the small tile, bf16 0.74-0.79 vs 0.72). The rule: the wide tile once its grid has
-# WIDE_DECODE_MIN_PROGRAMS programs (N=256 at HV=32 gives 16384), for one-token steps only (longer
-# steps were not swept). One-token in-place steps with [N] indices now run on decode_step.py's kernel
-# (its own launch config); a loop-free path built into this kernel had been slower than as a prototype
-# (docs/perf_notes.md, "Decode"), so it is a kernel of its own.
+# Launch configs of the pool kernel (``decode_launch_config``), from a sweep of block_v 8-64 x 1-8 warps (one
+# token, CUDA-graph replays; docs/perf_notes.md, "Launch configs"): a [16, K] tile per one-warp program for small
+# grids; [64, K] tiles on two warps once the grid has WIDE_DECODE_MIN_PROGRAMS programs, for one-token steps only
+# (longer steps were not swept). One-token in-place steps with [N] indices run on serving/step.py's kernel (its
+# own launch config): a loop-free path inside this kernel was slower than as a kernel of its own.
 DECODE_BLOCK_V = 16
 DECODE_NUM_WARPS = 1
 WIDE_DECODE_BLOCK_V = 64

@@ -13,9 +13,8 @@ elements once), and what separates the pool kernel from a copy at N = 64 is late
 bytes (docs/perf_notes.md, "Decode"). This kernel gives each program one ``[BV, K]`` tile on a 1-D grid,
 with no token loop and no element masks (K a power of two, BV dividing V), requests the token's inputs
 before the row index and the state that depends on it, and reads the state ``evict_first`` and writes it
-with streaming stores, since each byte is touched once. On the H200 at N = 64, HV = 32, K = V = 128, one
-step per graph replay: bf16 37.5 us (a same-size copy: 36.6 us), fp32 70.9 us (results/dev_decode_h200.json),
-where the pool kernel took 44.8 and 77.7 us (results/dev_decode_tiles_h200.json, dev_decode_h200_8c55b71.json).
+with streaming stores, since each byte is touched once (its times against the pool kernel's and a copy's:
+docs/perf_notes.md, "Decode").
 
 PyTorch twin: ``decode.pool_recurrent_reference``, the pool kernel's, whose semantics this kernel keeps
 (tests/ops/kda/serving/test_step.py checks the two kernels' bits against each other).
@@ -38,13 +37,8 @@ from kdakit.ops.kda.recurrent.kernels import MAX_HEAD_DIM, state_tile_step, toke
 # Configuration
 # ---------------------------------------------------------------------------------------------
 
-# [8, K] tiles on one warp: the fastest of block_v 8-64 x 1-4 warps in three of the four cells of
-# results/dev_decode_h200.json (HV = 32, K = V = 128, one-kernel replays), and 0.3 % behind the best in the
-# fourth: bf16 37.5 / 143.2 us at N = 64 / 256 (16 x 1: 40.3 / 148.1), fp32 70.9 / 274.8 (72.3 / 281.0).
-# Counters (ncu, N = 256 fp32, results/dev_decode_ceiling_h200.json): at 64 registers, 32 one-warp programs an SM
-# (the block limit) fill the register file; more warps a tile were slower in every cell (2-8 warps, down to 30 %
-# of copy at 8: the K reductions then cross warps; results/dev_decode_ceiling_step_h200.json). What the step loses
-# to a plain in-place pass is the math (2-6 %) and the rows' random order (2-5 %; docs/perf_notes.md, "Decode").
+# [8, K] tiles on one warp: at 64 registers, 32 one-warp programs an SM (the block limit) fill the register file;
+# more warps a tile make the K reductions cross warps (the sweep and counters: docs/perf_notes.md, "Decode").
 STEP_BLOCK_V = 8
 STEP_NUM_WARPS = 1
 
