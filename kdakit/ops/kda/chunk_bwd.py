@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from kdakit.ops.kda.chunk_bwd_common import CHUNK, MAX_HEAD_DIM
+from kdakit.ops.kda.chunk_bwd_common import CHUNK
 from kdakit.ops.kda.chunk_bwd_windowed import run_windowed
 from kdakit.ops.kda.chunk_common import GATE_SOFTPLUS
+from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
 from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.plan import checkpoint_offsets, default_stage_dtype
 
@@ -59,8 +60,8 @@ def chunk_kda_bwd(
             raise ValueError(f"{name} must be contiguous for the Triton backward, got strides {tuple(t.stride())}")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise ValueError(f"the Triton backward supports K, V <= {MAX_HEAD_DIM}, got K={K}, V={V}")
+    if K > CHUNK_MAX_HEAD_DIM or V > CHUNK_MAX_HEAD_DIM:
+        raise ValueError(f"the Triton backward supports K, V <= {CHUNK_MAX_HEAD_DIM}, got K={K}, V={V}")
     if do.shape != v.shape or do.dtype != v.dtype:
         raise ValueError(f"do must match v ({list(v.shape)}, {v.dtype}), got {list(do.shape)}, {do.dtype}")
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1

@@ -42,8 +42,8 @@ from kdakit.ops.kda.chunk_common import (
     safe_gate_factors,
     seq_bounds,
 )
+from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
 CHUNK = 16
-MAX_HEAD_DIM = 128
 # (I + A)^-1 by repeated squaring (six small dots) instead of 15 dependent row updates.
 USE_DOUBLING_INVERSE = True
 

@@ -34,9 +34,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# LOG_DECAY_FLOOR: log-decays are clamped to >= it on load, the same floor as the PyTorch path's (reference/preprocess.py
-# says why; defined there so that the PyTorch path imports no Triton code).
-from kdakit.ops.kda.reference.preprocess import L2NORM_EPS, LOG_DECAY_FLOOR, SOFTPLUS_THRESHOLD
+# LOG_DECAY_FLOOR: log-decays are clamped to >= it on load, the same floor as the PyTorch path's (constants.py
+# says why).
+from kdakit.ops.kda.constants import L2NORM_EPS, LOG_DECAY_FLOOR, SOFTPLUS_THRESHOLD
 
 # Gate modes (constexpr GATE in the kernels).
 GATE_NONE = 0  # g is the log-decay itself

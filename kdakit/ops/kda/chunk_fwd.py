@@ -86,10 +86,10 @@ from kdakit.ops.kda.chunk_common import (
     store_rows,
     unit_lower_inverse_doubling,
 )
+from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
 from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.plan import CHUNK_SIZE, KDAPlan, forward_chunk_table, plan_kda
 
-MAX_HEAD_DIM = 128
 EXACT_KEY_SLICE = 16  # BKS: [C, C, BKS] fp32 per pairwise slice stays at 16 registers a thread
 INTRA_NUM_WARPS = 4
 # Two stages let the pipeliner fetch the next chunk's W, qΓ, kd, Aqk and U while this chunk's
@@ -402,8 +402,8 @@ def chunk_kda_fwd(
         raise TypeError(f"q must be float16, bfloat16 or float32 for the Triton forward, got {q.dtype}")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise ValueError(f"the Triton forward supports K, V <= {MAX_HEAD_DIM}, got K={K}, V={V}")
+    if K > CHUNK_MAX_HEAD_DIM or V > CHUNK_MAX_HEAD_DIM:
+        raise ValueError(f"the Triton forward supports K, V <= {CHUNK_MAX_HEAD_DIM}, got K={K}, V={V}")
     if plan is None:
         plan = plan_kda(q, v, cu_seqlens=cu_seqlens, initial_state=initial_state is not None,
                         output_final_state=opts.output_final_state, gate_params=A_log is not None)

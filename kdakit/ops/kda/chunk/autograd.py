@@ -13,7 +13,8 @@ import torch
 from kdakit.ops.kda.chunk.backward import chunk_bwd
 from kdakit.ops.kda.chunk.forward import chunk_fwd
 from kdakit.ops.kda.chunk.plan import ChunkPlan, make_chunk_plan
-from kdakit.ops.kda.chunk.tiles import MAX_HEAD_DIM, check_token_strides
+from kdakit.ops.kda.chunk.tiles import check_token_strides
+from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
 from kdakit.ops.kda.options import KDAOptions
 from kdakit.ops.kda.plan import sequence_lengths
 
@@ -56,8 +57,8 @@ def chunk64_kda(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, 
         if t.dtype not in TRITON_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16 or float32 for the Triton kernels, got {t.dtype}")
         check_token_strides(name, t)
-    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"K and V must be <= {MAX_HEAD_DIM} for the Triton kernels, got K={q.shape[-1]}, "
+    if q.shape[-1] > CHUNK_MAX_HEAD_DIM or v.shape[-1] > CHUNK_MAX_HEAD_DIM:
+        raise ValueError(f"K and V must be <= {CHUNK_MAX_HEAD_DIM} for the Triton kernels, got K={q.shape[-1]}, "
                          f"V={v.shape[-1]}")
     seqlens = None
     if cu_seqlens is not None:

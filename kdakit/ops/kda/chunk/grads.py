@@ -46,7 +46,6 @@ import triton.language as tl
 
 from kdakit.ops.kda.chunk.tiles import (
     CHUNK,
-    MAX_HEAD_DIM,
     check_token_strides,
     chunk_row,
     load_tile,
@@ -55,6 +54,7 @@ from kdakit.ops.kda.chunk.tiles import (
 )
 from kdakit.ops.kda.chunk_bwd_common import GRAD_OP_FP32, grad_operand, grad_operands
 from kdakit.ops.kda.chunk_common import block_size
+from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
 from kdakit.ops.kda.options import KDAOptions
 
 # ---------------------------------------------------------------------------------------
@@ -239,8 +239,8 @@ def run_grads_wy(opts: KDAOptions, table, q, k, v, do, gc, bt, rq, rk, tinv, w, 
         raise ValueError(f"q must be bf16, fp16 or fp32, got {dtype}")
     if H < 1 or HV % H != 0:
         raise ValueError(f"v's heads must be a multiple of q's, got HV={HV}, H={H}")
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise ValueError(f"q and v need K, V <= {MAX_HEAD_DIM}, got K={K}, V={V}")
+    if K > CHUNK_MAX_HEAD_DIM or V > CHUNK_MAX_HEAD_DIM:
+        raise ValueError(f"q and v need K, V <= {CHUNK_MAX_HEAD_DIM}, got K={K}, V={V}")
     if not isinstance(table, torch.Tensor):
         raise TypeError(f"table must be a torch.Tensor, got {type(table).__name__}")
     if table.dim() != 2 or table.shape[1] != 4 or table.dtype != torch.int32 or table.device != device:

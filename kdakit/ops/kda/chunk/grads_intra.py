@@ -57,8 +57,9 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import dot_precision, triton_interpreting
-from kdakit.ops.kda.chunk.tiles import CHUNK, MAX_HEAD_DIM, SUB, check_token_strides, chunk_row, dot_operand, token_base
+from kdakit.ops.kda.chunk.tiles import CHUNK, SUB, check_token_strides, chunk_row, dot_operand, token_base
 from kdakit.ops.kda.chunk_common import block_size, load_row_scalars
+from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
 from kdakit.ops.kda.options import KDAOptions
 
 # ---------------------------------------------------------------------------------------
@@ -335,8 +336,8 @@ def run_grads_intra(opts: KDAOptions, table, q, k, gc, bt, rq, rk, daqk, dakk, d
     check_token_strides("q", q)
     check_token_strides("k", k)
     H, K = q.shape[2], q.shape[3]
-    if K > MAX_HEAD_DIM:
-        raise ValueError(f"q's head dimension K must be <= {MAX_HEAD_DIM}, got {K}")
+    if K > CHUNK_MAX_HEAD_DIM:
+        raise ValueError(f"q's head dimension K must be <= {CHUNK_MAX_HEAD_DIM}, got {K}")
     device = q.device
     if k.device != device:
         raise ValueError(f"k must be on {device}, got {k.device}")

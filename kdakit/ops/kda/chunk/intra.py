@@ -53,8 +53,9 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import dot_precision, triton_interpreting
-from kdakit.ops.kda.chunk.tiles import CHUNK, MAX_HEAD_DIM, SUB, check_token_strides, chunk_row, dot_operand, token_base
+from kdakit.ops.kda.chunk.tiles import CHUNK, SUB, check_token_strides, chunk_row, dot_operand, token_base
 from kdakit.ops.kda.chunk_common import block_size, load_row_scalars, round_to_bf16_if
+from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
 
 # The span check's bound: a sub-chunk whose |G - G_mid| stays <= 40 on every row and channel has its diagonal
 # blocks formed by dots, with factors within exp(+-40): the envelope of the safe gate (8 tokens x 5 per token on
@@ -446,8 +447,8 @@ def run_intra(opts, table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv) -> None:
     if table.dim() != 2 or table.shape[1] != 4 or table.dtype != torch.int32 or not table.is_contiguous():
         raise ValueError(f"table must be a contiguous int32 [n, 4] tensor, got {table.dtype} {list(table.shape)}")
     H, K = q.shape[2], q.shape[3]
-    if K > MAX_HEAD_DIM:
-        raise ValueError(f"q's head dimension K must be <= {MAX_HEAD_DIM}, got {K}")
+    if K > CHUNK_MAX_HEAD_DIM:
+        raise ValueError(f"q's head dimension K must be <= {CHUNK_MAX_HEAD_DIM}, got {K}")
     n, dev, C = table.shape[0], q.device, CHUNK
     if gc.dim() != 4:
         raise ValueError(f"gc must be [n, HV, C, K], got {list(gc.shape)}")

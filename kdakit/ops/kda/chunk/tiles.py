@@ -14,11 +14,11 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.chunk_common import round_to_bf16
+from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
 from kdakit.ops.kda.options import KDAOptions
 
 CHUNK = 64  # tokens per chunk (C)
 SUB = 16  # tokens per sub-chunk: the diagonal blocks formed token-parallel
-MAX_HEAD_DIM = 128  # K and V limit of the register tiles
 
 
 @triton.jit
@@ -157,8 +157,8 @@ def head_group(H: int, HV: int, K: int, V: int) -> int:
     """HV // H after checking the head counts and head sizes."""
     if H <= 0 or HV <= 0 or HV % H:
         raise ValueError(f"HV must be a positive multiple of H, got H={H}, HV={HV}")
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise ValueError(f"K and V must be <= {MAX_HEAD_DIM}, got K={K}, V={V}")
+    if K > CHUNK_MAX_HEAD_DIM or V > CHUNK_MAX_HEAD_DIM:
+        raise ValueError(f"K and V must be <= {CHUNK_MAX_HEAD_DIM}, got K={K}, V={V}")
     return HV // H
 
 

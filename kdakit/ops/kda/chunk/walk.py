@@ -49,7 +49,6 @@ import triton.language as tl
 from kdakit.ops.kda.backend import dot_precision, triton_interpreting
 from kdakit.ops.kda.chunk.tiles import (
     CHUNK,
-    MAX_HEAD_DIM,
     as_stored,
     check_slot,
     check_token_strides,
@@ -58,6 +57,7 @@ from kdakit.ops.kda.chunk.tiles import (
     token_base,
 )
 from kdakit.ops.kda.chunk_common import block_size
+from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
 from kdakit.ops.kda.options import KDAOptions
 
 # ---- launch configs, by operand kind: "bf16" (16-bit inputs, bf16 dot operands) or "fp32" (3xTF32 operands)
@@ -340,11 +340,11 @@ def _check_tokens(name: str, x, HV: int, V: int) -> None:
 
 
 def _slot_dims(name: str, x, rows: int) -> tuple:
-    """``(n, HV, width)`` of a ``[n, HV, C, width]`` slot tensor of a token dtype, width <= MAX_HEAD_DIM."""
+    """``(n, HV, width)`` of a ``[n, HV, C, width]`` slot tensor of a token dtype, width <= CHUNK_MAX_HEAD_DIM."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
-    if x.dim() != 4 or x.shape[2] != rows or not 0 < x.shape[3] <= MAX_HEAD_DIM:
-        raise ValueError(f"{name} must have shape [n, HV, {rows}, 1..{MAX_HEAD_DIM}], got {tuple(x.shape)}")
+    if x.dim() != 4 or x.shape[2] != rows or not 0 < x.shape[3] <= CHUNK_MAX_HEAD_DIM:
+        raise ValueError(f"{name} must have shape [n, HV, {rows}, 1..{CHUNK_MAX_HEAD_DIM}], got {tuple(x.shape)}")
     return x.shape[0], x.shape[1], x.shape[3]
 
 

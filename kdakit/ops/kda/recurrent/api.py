@@ -43,7 +43,7 @@ from kdakit.ops.kda.recurrent.kernels import (
     qk_activation,
     softplus_fp32,
 )
-from kdakit.ops.kda.reference.preprocess import L2NORM_EPS, SOFTPLUS_THRESHOLD
+from kdakit.ops.kda.constants import L2NORM_EPS, SOFTPLUS_THRESHOLD
 from kdakit.ops.kda.recurrent.workspace import (
     Workspace,
     call_signature,

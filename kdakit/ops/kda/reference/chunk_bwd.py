@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kdakit.ops.kda.reference.preprocess import SOFTPLUS_THRESHOLD, kda_beta, kda_gate, l2norm, l2norm_rstd
+from kdakit.ops.kda.constants import SOFTPLUS_THRESHOLD
+from kdakit.ops.kda.reference.preprocess import kda_beta, kda_gate, l2norm, l2norm_rstd
 
 CHUNK = 16
 

@@ -18,17 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# The token transforms' constants, for the PyTorch paths here and, as tl.constexpr, for the Triton kernels
-# (chunk_common): the l2norm's epsilon; softplus(x) = x above the threshold, as in FLA's gate kernels.
-L2NORM_EPS = 1e-6
-SOFTPLUS_THRESHOLD = 20.0
-# The floor of every log-decay in the chunked paths, Triton kernels and PyTorch alike (floor_log_decay here,
-# chunk_common.gate_from_preact there). Every factor they form is exp of a sum of non-positive log-decays, and
-# exp(-110) is below float32's smallest denormal, so in fp32 a sum containing a floored term gives exactly 0
-# either way (in float64, a factor below 1e-47 instead of 0). The floor keeps the chunk cumsum small, so that
-# the differences G_i - G_j after a reset (-inf, or a reset-level -1000) keep their precision, and turns
-# -inf - -inf = NaN into a finite difference.
-LOG_DECAY_FLOOR = -110.0
+from kdakit.ops.kda.constants import L2NORM_EPS, LOG_DECAY_FLOOR, SOFTPLUS_THRESHOLD
 
 
 def floor_log_decay(a: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch
 from kdakit.ops.kda.chunk.grads import GRADS_WY_NUM_WARPS, run_grads_wy
 from kdakit.ops.kda.chunk.plan import chunk_table_rows
 from kdakit.ops.kda.chunk.tiles import CHUNK
-from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND, GATE_NONE, GATE_SOFTPLUS, LOG_DECAY_FLOOR
+from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND, GATE_NONE, GATE_SOFTPLUS
+from kdakit.ops.kda.constants import LOG_DECAY_FLOOR
 from kdakit.ops.kda.options import kda_options
 from tests.ops.kda._sm90_build import read_reports, run_sm90_build
 

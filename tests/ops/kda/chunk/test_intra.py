@@ -16,7 +16,8 @@ from kdakit.ops.kda.chunk.intra import (
 )
 from kdakit.ops.kda.chunk.plan import chunk_table, chunk_table_rows
 from kdakit.ops.kda.chunk.tiles import CHUNK, SUB
-from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND, GATE_NONE, GATE_SOFTPLUS, LOG_DECAY_FLOOR
+from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND, GATE_NONE, GATE_SOFTPLUS
+from kdakit.ops.kda.constants import LOG_DECAY_FLOOR
 from kdakit.ops.kda.reference.preprocess import kda_gate, l2norm_rstd
 from tests.ops.kda._sm90_build import read_reports, run_sm90_build
 

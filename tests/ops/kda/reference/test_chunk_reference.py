@@ -205,7 +205,8 @@ def test_resets_in_float32_keep_float32_accuracy(monkeypatch):
 
 def test_log_decay_floor_is_the_triton_kernels_rule():
     from kdakit.ops.kda import chunk_common
-    from kdakit.ops.kda.reference.preprocess import LOG_DECAY_FLOOR, floor_log_decay
+    from kdakit.ops.kda.constants import LOG_DECAY_FLOOR
+    from kdakit.ops.kda.reference.preprocess import floor_log_decay
 
     assert chunk_common.LOG_DECAY_FLOOR is LOG_DECAY_FLOOR == -110.0  # one constant for both backends
     a = torch.tensor([float("-inf"), -1000.0, -110.0, -109.5, float("nan"), -0.5], requires_grad=True)
