@@ -6,10 +6,6 @@ first: per-chunk states and state gradients, then every gradient of every chunk 
 sums the parameter partials. The per-chunk math is in ``chunk_bwd_common.py`` and
 ``chunk_bwd_windowed.py``; its float64 twin, checked against autograd, is ``reference/chunk_bwd.py``.
 
-Measured on the H200 (1x8K, H = HV = 96, K = V = 128, bf16, docs/spec.md §3 flags; ``docs/perf_notes.md``):
-the backward takes ~36 ms (window starts 4.3, window states 12.6, gradients 19.4), where the previous
-one-program-per-(sequence, head) streaming kernel took 61 ms.
-
 Layouts and limits: token-major contiguous inputs, checkpoints ``[rows, HV, K, V]`` in
 ``plan.checkpoint_dtype`` (bf16 for bf16 inputs),
 K, V <= 128, int64 offsets.

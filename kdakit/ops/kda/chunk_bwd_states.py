@@ -2,7 +2,7 @@
 
 ``chunk_bwd_windowed``'s stage 2 walks each window twice (role 0: states forward, role 1: state
 gradients in reverse) and re-derives, in every dependent step, the chunk's S-independent work: gate
-cumsum, Akk, its inverse, W (~255 registers a thread). Measured at 1x8K H96 (H200): 10.0 ms of 27.8.
+cumsum, Akk, its inverse, W (~255 registers a thread).
 
 Here that work is done once per window, in parallel, by the forward's intra kernel
 (``chunk_fwd.chunk_kda_fwd_intra_kernel`` in WINDOW mode), into memory that is already paid for: the
@@ -26,10 +26,6 @@ runs the intra kernel in its stage 2. Stage 2 (``run_lean_window_states``), grid
 
 into the same ``ws_s`` / ``ws_ds`` slots stage 3 reads, and updates the carried dS. Needs HV == H: dq
 and dk have H heads, the intermediates HV (GVA keeps ``chunk_bwd_windowed``'s stage 2).
-
-Floors per window at 1x8K H96 (32 windows): intra ~1.8 ms in all (the forward's intra kernel on the
-same chunks), the walk ~2 x 16 dependent steps of 2-3 [16, 128] x [128, 64] products, like the forward
-state kernel (0.93 ms for 512 steps). Prediction: stage 2 from 10.0 ms to ~3-4 ms.
 """
 
 from __future__ import annotations

@@ -24,21 +24,11 @@ Two facts make most of the work parallel: the state-gradient recurrence
   K=V=128, bf16, L=2048, Lw=256: window starts 44.0 MB, S_c 50.3 MB, dS 50.3 MB, carry 6.3 MB,
   parameter partials 0.8 MB = 151.8 MB (+ checkpoints 25.2 MB saved by the forward); the same
   151.8 MB at 1x128K H96 (checkpoints 402.7 MB); 202.4 MB at 8x8K H16 and 1x8K H128 (+33.6 MB).
-  Measured (H200, 1x8K H96, bf16, docs/spec.md §3 flags; ``benchmarks/tune_windowed.py``, docs/perf_notes.md):
-  window starts 4.3 ms, window states 12.6 ms, gradients 19.4 ms (~36 ms in all, vs 61 ms for the
-  earlier one-program-per-(sequence, head) streaming kernel it replaced). The prediction had been
-  ~4.7 ms: every stage's chunk step costs 5-10x the estimate because each sequential step and each
-  gradient program re-derives the chunk's S-independent work (gate cumsum, Akk, the inverse, W) at
-  255 registers with spills. Floors: any backward moves >= 1.8 GB -> 0.42 ms at 4.3 TB/s; this
-  design moves ~10.4 GB (S_c and dS slots written and read back once, 6.4 GB; inputs read three
-  times) -> 2.4 ms; ~0.39 TFLOP -> 0.5 ms at 790 TFLOP/s.
   Matmul precision of the products that feed the decay gradient (GRAD_OP / GRAD_PREC,
   ``chunk_bwd_common.grad_operands``): bf16 operands rounded to nearest for bf16 inputs, with the
   decay gradient formed from the same rounded operands so its cancelling pairs cancel exactly;
-  3xTF32 for fp16 / fp32 inputs. Plain (truncating) TF32 there measured 9.7 ms faster than 3xTF32 at
-  1x8K H96 but failed the GPU tier: ddt_bias RMS ratio 1.66e-2 against 8e-3 (T = 4048 over 3
-  sequences, H = 4, initial state). Interpreter, bf16, T = 300, H = 4, K = V = 32: ddt_bias 2.9e-3,
-  dA_log 2.4e-3, dg 4.3e-3 with bf16 operands (1.7e-3, 2.6e-3, 3.4e-3 with exact fp32 ones).
+  3xTF32 for fp16 / fp32 inputs: plain (truncating) TF32 there was faster but fails the GPU tier's ddt_bias
+  limit (docs/perf_notes.md, "Launch configs").
 """
 
 from __future__ import annotations
@@ -50,7 +40,6 @@ import triton.language as tl
 from kdakit.ops.kda.backend import dot_precision, triton_interpreting
 from kdakit.ops.kda.chunk_bwd_common import (
     CHUNK,
-    LAST_LAUNCH,
     USE_DOUBLING_INVERSE,
     chunk_keys_gate_beta,
     decay_scale,
@@ -65,7 +54,7 @@ from kdakit.ops.kda.chunk_bwd_common import (
 )
 from kdakit.ops.kda.chunk_bwd_states import run_lean_window_starts, run_lean_window_states
 from kdakit.ops.kda.options import KDAOptions
-from kdakit.ops.kda.plan import lean_workspace_allocations, uses_lean_states
+from kdakit.ops.kda.plan import H200_SMS, lean_workspace_allocations, uses_lean_states
 from kdakit.ops.kda.chunk_common import (
     beta_activation,
     beta_activation_bwd,
@@ -436,9 +425,7 @@ GRADS_NUM_WARPS = 4
 # The EXACT gate path (unbounded softplus gate; FLA's layer default) at 8 warps. sm_90a builds (ptxas -O3,
 # K = 128, bf16): at 4 warps ptxas falls back to 32 registers with 15-17 KB of spill code, with the
 # pairwise backward in one column loop or in two; at 8 warps the one-loop form still does (13 KB), the
-# two-loop form (exact_pairwise_bwd) takes 128 registers and 4.6 KB. H200, 1 x 32K H16: 2.25 ms a launch
-# for the 4-warp one-loop build (results/profile_layer_32k_h200.txt), 0.56 ms for this one
-# (results/profile_softplus_32k_h200.json).
+# two-loop form (exact_pairwise_bwd) takes 128 registers and 4.6 KB, and is the faster (docs/perf_notes.md).
 GRADS_EXACT_NUM_WARPS = 8
 GRADS_NUM_STAGES = 1
 STATE_NUM_WARPS = 4  # the sequential stages (one [K, BV] state tile, BV = state_block_v)
@@ -449,7 +436,7 @@ STATES_BLOCK_V: int | None = None
 STARTS_NUM_WARPS: int | None = None  # None: STATE_NUM_WARPS
 
 
-def state_block_v(units: int, V: int, num_sms: int = 132) -> int:
+def state_block_v(units: int, V: int, num_sms: int = H200_SMS) -> int:
     """V block of a sequential stage with ``units`` programs per value block (stage 1: N*HV; stage 2:
     2*N*HV): the smallest of 32, 64, 128 whose grid fits one wave (2 programs per SM: 4 warps at
     about 255 registers). Every program walks the same number of dependent chunk steps, so a second
@@ -501,7 +488,7 @@ def run_windowed(q, k, v, g, beta, do, dht, *, checkpoints, ckpt_offsets, cu_seq
 
     max_len = max(plan.seqlens, default=0) if cu_seqlens is not None else T
     n_win = -(-max_len // L2)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else H200_SMS
     BK, BVG = block_size(K), min(block_size(V), GRADS_BLOCK_V)
     BV1 = STARTS_BLOCK_V or state_block_v(items, V, sms)
     BV2 = STATES_BLOCK_V or state_block_v(2 * items, V, sms)
@@ -523,7 +510,7 @@ def run_windowed(q, k, v, g, beta, do, dht, *, checkpoints, ckpt_offsets, cu_seq
                 ckpt=checkpoints, ckpt_offsets=ckpt_offsets, ws_win=ws_win, ws_aqk=ws_aqk, ws_gc=ws_gc, dq=dq, dk=dk,
                 dv=dv, dg=dg, N=N, sub=sub, n_sub=n_sub, opts=opts, dummy=dummy)
         elif n_sub > 1 and win == min(n_win - 1, seg * n_sub + n_sub - 1):
-            LAST_LAUNCH["window_starts"] = chunk_kda_bwd_window_starts_kernel[(items, triton.cdiv(V, BV1))](
+            chunk_kda_bwd_window_starts_kernel[(items, triton.cdiv(V, BV1))](
                 k, v, g, beta, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr, ws_win,
                 seg, lower_bound, T, H, HV, K, V,
                 GROUP=HV // H, C=C, BK=BK, BV=BV1, SEG_CHUNKS=L // C, SUB_CHUNKS=sub, N_SUB=n_sub, **seq,
@@ -535,14 +522,14 @@ def run_windowed(q, k, v, g, beta, do, dht, *, checkpoints, ckpt_offsets, cu_seq
                 ws_gc=ws_gc, carry=carry, dq=dq, dk=dk, dv=dv, dg=dg, N=N, sub=sub, n_sub=n_sub, opts=opts,
                 stage_dtype=stage_dtype)
         else:
-            LAST_LAUNCH["window_states"] = chunk_kda_bwd_window_states_kernel[(items, triton.cdiv(V, BV2), 2)](
+            chunk_kda_bwd_window_states_kernel[(items, triton.cdiv(V, BV2), 2)](
                 q, k, v, g, beta, do, checkpoints, ckpt_offsets, cu, a_ptr, b_ptr,
                 ws_win if ws_win is not None else dummy, ws_s, ws_ds, carry,
                 win, scale, lower_bound, T, H, HV, K, V, *c_str,
                 GROUP=HV // H, C=C, BK=BK, BV=BV2, SUB_CHUNKS=sub, N_SUB=n_sub, **seq, GRAD_PREC=grad_prec,
                 GRAD_OP=grad_op, ROUND_STAGE=triton_interpreting() and stage_dtype == torch.bfloat16,
                 num_warps=STATE_NUM_WARPS, num_stages=1)
-        LAST_LAUNCH["window_grads"] = chunk_kda_bwd_window_grads_kernel[(N * H, sub)](
+        chunk_kda_bwd_window_grads_kernel[(N * H, sub)](
             q, k, v, g, beta, do, cu, a_ptr, b_ptr, ws_s, ws_ds,
             dq, dk, dv, dg, dbeta, dA_part if dA_part is not None else dummy,
             ddt_part if ddt_part is not None else dummy,

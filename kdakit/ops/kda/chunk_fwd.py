@@ -55,8 +55,6 @@ Floors at 1 x 8K, H = HV = 96, K = V = 128, bf16 (H200: ~4.3 TB/s reachable, 790
   2.4 MFLOP x 512 chunks x 96 heads = 0.12 TFLOP -> 0.15 ms at the bf16 peak.
 * latency: 512 dependent state steps per program (two products in a row on the critical
   path, ~1 us a step) -> ~0.5 ms.
-Prediction for 1 x 8K H96: intra ~0.45 ms + state ~0.7 ms = ~1.2 ms (range 1.0 to 2.0 ms),
-against 10.88 ms for the previous fused kernel and 3.04 ms for FLA 0.6.0 (docs/perf_notes.md).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ DEFAULT_RECOMPUTE_TOKENS = 256
 # (at L = 256, the backward's window, nothing), so the densest that fits is the fastest.
 DENSE_CHECKPOINT_TOKENS = (256, 512, 1024)
 PEAK_BUDGET = 1.10
-H200_SMS = 132
+H200_SMS = 132  # the SM count a shapes-only plan assumes (the launchers read the device's)
 _ALLOC_ROUND = 512
 
 # The Triton chunk pipelines, the gate kinds that pick among them by default, and the 64-token pipelines' default
