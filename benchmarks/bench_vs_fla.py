@@ -83,7 +83,7 @@ def _sample(t, n: int = SAMPLES):
 
 
 def chunk_inputs(mbs, seq, H, gate, seed, device, D=common.D):
-    """dev_chunk64.make_inputs' recipe on any device: randn q, k, v, g, beta, dO; FLA's layer init of A_log /
+    """profile_chunk64.make_inputs' recipe on any device: randn q, k, v, g, beta, dO; FLA's layer init of A_log /
     dt_bias for softplus and raw; raw's g the fp32 log-decay -exp(A_log) * softplus(g + dt_bias)."""
     import math
 

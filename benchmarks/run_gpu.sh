@@ -31,7 +31,7 @@
 #   end      ~3 s           chunk_vs_fla.json (protocol join + sweep join), autotune_new.json, triton_autotune.tgz
 #
 #   bash benchmarks/run_gpu.sh [STAGE ...]   stages run in the order given:
-#       env warm chunk fla sweep profile tests recurrent flalayer devdecode ceiling layer traintiny tune tunecompile flawarm wait
+#       env warm chunk fla sweep profile tests recurrent flalayer layer traintiny tune tunecompile flawarm wait
 #       vsfla layervsfla
 #       (default: env warm chunk fla sweep profile tests)
 #   env       env.json (GPU, torch, triton, CUDA, FLA, python, git sha, date)
@@ -51,8 +51,6 @@
 #   recurrent decode and recurrent fwd+bwd benchmark (bench_recurrent.py; RECURRENT_ARGS)
 #   flalayer  FLA's layer alone in bench_layer.py at LAYER_TOKENS, the whole stage for its first call (its
 #             autotuning took over 175 s on 2026-12-01; the tuned configs are packed for the next machine)
-#   devdecode the decode-step prototypes beside kda_decode, a copy and FLA (dev_decode.py; DEV_DECODE_ARGS)
-#   ceiling   in-place read+write ceilings under the decode step, and ncu DRAM counters (dev_decode_ceiling.py)
 #   layer     kdakit's KimiDeltaAttention against FLA's (needs .whl/layer): examples/train_tiny.py --device cuda
 #             (TRAIN_TINY_ARGS; LAYER_TRAIN_S, default half the stage), the GPU comparison test (LAYER_TEST_S,
 #             default 120) and bench_layer.py at LAYER_TOKENS (131072) with the rest
@@ -265,34 +263,6 @@ stage_flalayer() {
     return "${PIPESTATUS[0]}"
 }
 
-stage_devdecode() {
-    # shellcheck disable=SC2086
-    timeout -k 5 "$1" python3 benchmarks/dev_decode.py --out "$OUT/dev_decode.json" ${DEV_DECODE_ARGS:-} 2>&1 \
-        | tee -a "$OUT/run.log"
-    return "${PIPESTATUS[0]}"
-}
-
-stage_ceiling() {
-    # the in-place ceiling under the decode step (dev_decode_ceiling.py; CEILING_ARGS), then, where Nsight Compute
-    # is installed, its DRAM counters for a few kernels at CEILING_NCU (N,dtype; default 256,float32)
-    local lim=$1 t0 r ncu
-    t0=$(date +%s)
-    # shellcheck disable=SC2086
-    timeout -k 5 $(( lim * 3 / 4 )) python3 benchmarks/dev_decode_ceiling.py --out "$OUT/dev_decode_ceiling.json" \
-        ${CEILING_ARGS:-} 2>&1 | tee -a "$OUT/run.log"
-    r=${PIPESTATUS[0]}
-    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
-    if [ -n "$ncu" ]; then
-        timeout -k 5 $(( lim - ($(date +%s) - t0) - 5 )) "$ncu" --csv --metrics \
-            gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_blocks,launch__occupancy_limit_registers,launch__occupancy_limit_warps,launch__occupancy_limit_shared_mem \
-            python3 benchmarks/dev_decode_ceiling.py --ncu "${CEILING_NCU:-256,float32}" >"$OUT/ncu_ceiling.csv" \
-            2>"$OUT/ncu_ceiling.err" || echo "stage ceiling: ncu failed (ncu_ceiling.err)" | tee -a "$OUT/stages.log"
-    else
-        echo "stage ceiling: no ncu on this machine" | tee -a "$OUT/stages.log"
-    fi
-    return "$r"
-}
-
 stage_layer() {
     # kdakit's layer against FLA's. train_tiny --device cuda first (both layers, same weights and data): FLA's
     # model tunes FLA's kernels for its config in its first steps, alone on the GPU (the step time it reports is
@@ -373,7 +343,7 @@ stage_wait() {
 }
 
 declare -A DEFAULT_LIMIT=([env]=10 [warm]=160 [chunk]=100 [fla]=150 [sweep]=80 [profile]=20 [tests]=rest
-                          [recurrent]=150 [flalayer]=300 [devdecode]=200 [ceiling]=300 [layer]=300 [traintiny]=200 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest
+                          [recurrent]=150 [flalayer]=300 [layer]=300 [traintiny]=200 [tune]=300 [tunecompile]=200 [flawarm]=300 [wait]=rest
                           [vsfla]=rest [layervsfla]=rest)
 for s in "${stages[@]}"; do
     if [ -z "${DEFAULT_LIMIT[$s]+x}" ]; then

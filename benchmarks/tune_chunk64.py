@@ -2,7 +2,7 @@
 constants changed from the shipped values), the per-kernel CUDA time of one forward+backward (torch.profiler,
 mean of 3 steps) at one shape and gate. A dev tool: the chosen values go back into the kernel files.
 
-Usage: python benchmarks/dev_tune64.py --out DIR [--shape 1x8192:96] [--gate softplus] [--only walk_fwd,diag]
+Usage: python benchmarks/tune_chunk64.py --out DIR [--shape 1x8192:96] [--gate softplus] [--only walk_fwd,diag]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.dev_chunk64 import kdakit64, make_inputs, step  # noqa: E402
+from benchmarks.profile_chunk64 import kdakit64, make_inputs, step  # noqa: E402
 
 # kernel name in the profile -> (module, list of overrides); the first entry of each list is the shipped config
 VARIANTS = {
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                     setattr(mod, k, v)
             print(kernel, json.dumps(rows[-1]), flush=True)
         results["kernels"][kernel] = rows
-        with open(os.path.join(args.out, f"dev_tune64_{args.gate}.json"), "w") as f:
+        with open(os.path.join(args.out, f"tune_chunk64_{args.gate}.json"), "w") as f:
             json.dump(results, f, indent=1)
     return 0
 

@@ -7,7 +7,7 @@ Gates: ``safe`` (in-kernel lower_bound -5 sigmoid gate, A_log = dt_bias = 0: the
 (in-kernel unbounded gate, A_log / dt_bias drawn as FLA's layer initialises them), ``raw`` (the same softplus
 log-decay computed outside in fp32 and passed with use_gate_in_kernel=False, as Kimi Linear does).
 
-Usage: python benchmarks/dev_chunk64.py --out DIR [--shape 1x8192:96] [--gates safe,softplus,raw]
+Usage: python benchmarks/profile_chunk64.py --out DIR [--shape 1x8192:96] [--gates safe,softplus,raw]
        [--windows none,2048] [--no-fla] [--no-default] [--skip-accuracy]
 """
 
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "shape": args.shape,
               "git_sha": os.environ.get("KDAKIT_GIT_SHA"), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "gates": {}}
-    path = os.path.join(args.out, "dev_chunk64.json")
+    path = os.path.join(args.out, "profile_chunk64.json")
     for gate in args.gates.split(","):
         cell = result["gates"].setdefault(gate, {})
         if not args.skip_accuracy:
