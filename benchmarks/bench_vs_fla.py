@@ -433,44 +433,6 @@ def _layer_cell(args, impl, pipeline, device, cuda) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Parent: jobs, subprocesses, budget, join.
 
-def impl_keys(impls: list[str], pipelines: list[str]) -> list[str]:
-    out = []
-    if "kdakit" in impls:
-        out += [f"kdakit:{p}" for p in pipelines]
-    if "fla" in impls:
-        out.append("fla")
-    return out
-
-
-def plan_jobs(cells: list[tuple], keys: list[str], process: str) -> list[tuple]:
-    """(cell, [impl keys]) per measuring process, cells in the order given, kdakit before FLA."""
-    jobs = []
-    for cell in cells:
-        if process == "fresh":
-            jobs += [(cell, [k]) for k in keys]
-        elif process == "split":
-            kd = [k for k in keys if k != "fla"]
-            jobs += [(cell, kd)] if kd else []
-            jobs += [(cell, ["fla"])] if "fla" in keys else []
-        else:
-            jobs.append((cell, list(keys)))
-    return jobs
-
-
-def warm_cells(kind: str, cells: list[tuple]) -> list[tuple]:
-    """Small cells with the kernel variants of ``cells``: per (gate, MBS, H) MBS sequences of 1024 / MBS tokens
-    (the sequence count and head count are what FLA's and kdakit's compiled variants depend on)."""
-    if kind == "layer":
-        return [(None, "1x1024")]
-    out, seen = [], set()
-    for gate, shape in cells:
-        mbs, _, H = common.parse_shape(shape)
-        if (gate, mbs, H) not in seen:
-            seen.add((gate, mbs, H))
-            out.append((gate, f"{mbs}x{max(64, 1024 // mbs)}:{H}"))
-    return out
-
-
 def child_env(args) -> dict:
     env = dict(os.environ)
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:False"
@@ -549,7 +511,7 @@ def _tail(path, n=1500):
 def run_warm(args, cells, keys, env, deadline) -> list[dict]:
     """The warm-up processes, one per (gate, implementation) running its small cells in turn, ``--warm-jobs`` at a
     time, FLA's first; each cut at the warm phase's deadline."""
-    small = warm_cells(args.kind, cells)
+    small = common.warm_cells(args.kind, cells)
     gates = list(dict.fromkeys(g for g, _ in small))
     todo = [((g, ",".join(s for gg, s in small if gg == g)), [k])
             for k in sorted(keys, key=lambda k: k != "fla") for g in gates]
@@ -615,7 +577,7 @@ def run_parent(args) -> int:
     os.makedirs(args.work_dir, exist_ok=True)
     pipelines = common.parse_list(args.pipelines, None, "--pipelines")
     impls = common.parse_list(args.impls, ("kdakit", "fla"), "--impls")
-    keys = impl_keys(impls, pipelines)
+    keys = common.impl_keys(impls, pipelines)
     if args.kind == "chunk":
         gates = common.parse_list(args.gates, common.GATES, "--gates")
         shapes = common.parse_list(args.shapes, None, "--shapes")
@@ -625,7 +587,7 @@ def run_parent(args) -> int:
         cells = [(g, s) for s in shapes for g in gates]
     else:
         cells = [(None, f"1x{int(t)}") for t in common.parse_list(args.tokens, None, "--tokens")]
-    jobs = plan_jobs(cells, keys, args.process)
+    jobs = common.plan_jobs(cells, keys, args.process)
     env = child_env(args)
     path = os.path.join(args.out, args.name or OUT_NAMES[args.kind])
     sha = os.environ.get("KDAKIT_GIT_SHA") or "unknown"

@@ -238,3 +238,41 @@ def merge(results: list[dict]) -> dict:
 def load(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+def impl_keys(impls: list[str], pipelines: list[str]) -> list[str]:
+    out = []
+    if "kdakit" in impls:
+        out += [f"kdakit:{p}" for p in pipelines]
+    if "fla" in impls:
+        out.append("fla")
+    return out
+
+
+def plan_jobs(cells: list[tuple], keys: list[str], process: str) -> list[tuple]:
+    """(cell, [impl keys]) per measuring process, cells in the order given, kdakit before FLA."""
+    jobs = []
+    for cell in cells:
+        if process == "fresh":
+            jobs += [(cell, [k]) for k in keys]
+        elif process == "split":
+            kd = [k for k in keys if k != "fla"]
+            jobs += [(cell, kd)] if kd else []
+            jobs += [(cell, ["fla"])] if "fla" in keys else []
+        else:
+            jobs.append((cell, list(keys)))
+    return jobs
+
+
+def warm_cells(kind: str, cells: list[tuple]) -> list[tuple]:
+    """Small cells with the kernel variants of ``cells``: per (gate, MBS, H) MBS sequences of 1024 / MBS tokens
+    (the sequence count and head count are what FLA's and kdakit's compiled variants depend on)."""
+    if kind == "layer":
+        return [(None, "1x1024")]
+    out, seen = [], set()
+    for gate, shape in cells:
+        mbs, _, H = parse_shape(shape)
+        if (gate, mbs, H) not in seen:
+            seen.add((gate, mbs, H))
+            out.append((gate, f"{mbs}x{max(64, 1024 // mbs)}:{H}"))
+    return out

@@ -88,14 +88,14 @@ def test_an_ok_record_is_not_replaced_by_a_later_failure_and_merge_rebuilds_rows
 
 def test_job_plan_and_warm_cells():
     cells = [("safe", "1x8192:96"), ("safe", "8x8192:16"), ("safe", "1x131072:96")]
-    keys = bvf.impl_keys(["kdakit", "fla"], ["default", "chunk64_fast"])
+    keys = common.impl_keys(["kdakit", "fla"], ["default", "chunk64_fast"])
     assert keys == ["kdakit:default", "kdakit:chunk64_fast", "fla"]
-    assert len(bvf.plan_jobs(cells, keys, "fresh")) == 9
-    assert bvf.plan_jobs(cells[:1], keys, "split") == [(cells[0], keys[:2]), (cells[0], ["fla"])]
-    assert bvf.plan_jobs(cells[:1], keys, "shared") == [(cells[0], keys)]
-    assert bvf.plan_jobs(cells[:1], ["fla"], "split") == [(cells[0], ["fla"])]
+    assert len(common.plan_jobs(cells, keys, "fresh")) == 9
+    assert common.plan_jobs(cells[:1], keys, "split") == [(cells[0], keys[:2]), (cells[0], ["fla"])]
+    assert common.plan_jobs(cells[:1], keys, "shared") == [(cells[0], keys)]
+    assert common.plan_jobs(cells[:1], ["fla"], "split") == [(cells[0], ["fla"])]
     # one small cell per (gate, sequence count, head count): the 128K cell shares the 8K H96 variants
-    assert bvf.warm_cells("chunk", cells) == [("safe", "1x1024:96"), ("safe", "8x128:16")]
+    assert common.warm_cells("chunk", cells) == [("safe", "1x1024:96"), ("safe", "8x128:16")]
 
 
 def _run(tmp_path, *extra, timeout=400):
