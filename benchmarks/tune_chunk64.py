@@ -22,6 +22,8 @@ from benchmarks.profile_chunk64 import kdakit64, make_inputs, step  # noqa: E402
 
 # kernel name in the profile -> (module, list of overrides); the first entry of each list is the shipped config
 VARIANTS = {
+    "chunk_prep_kernel": ("prep", [{}, {"PREP_BLOCK_K": 64}, {"PREP_BLOCK_K": 64, "PREP_NUM_WARPS": 8},
+                                   {"PREP_BLOCK_K": 128, "PREP_NUM_WARPS": 8}, {"PREP_NUM_WARPS": 2}]),
     "chunk_walk_fwd_kernel": ("walk", [{}, {"WALK_FWD_WARPS": 8},
                                        {"WALK_FWD_BLOCK_V": {"bf16": 128, "fp32": 16}, "WALK_FWD_WARPS": 8}]),
     "chunk_intra_diag_kernel": ("intra", [{}, {"DIAG_BLOCK_H": 16, "DIAG_NUM_WARPS": 4},
@@ -83,9 +85,9 @@ def main(argv=None) -> int:
     x = make_inputs(mbs, seq, int(heads), int(heads), 128, args.gate, 0)
     call = kdakit64(None)
     results = {"shape": args.shape, "gate": args.gate, "kernels": {}}
-    order = ["chunk_grads_intra_kernel", "chunk_intra_solve_kernel", "chunk_grads_wy_kernel", "chunk_walk_fwd_kernel",
-             "chunk_intra_diag_kernel", "chunk_wu_kernel", "chunk_walk_bwd_kernel", "chunk_finish_kernel",
-             "chunk_dav_kernel", "chunk_grads_wy_dv_kernel"]
+    order = ["chunk_prep_kernel", "chunk_grads_intra_kernel", "chunk_intra_solve_kernel", "chunk_grads_wy_kernel",
+             "chunk_walk_fwd_kernel", "chunk_intra_diag_kernel", "chunk_wu_kernel", "chunk_walk_bwd_kernel",
+             "chunk_finish_kernel", "chunk_dav_kernel", "chunk_grads_wy_dv_kernel"]
     names = args.only.split(",") if args.only else order
     for kernel in names:
         mod_name, variants = VARIANTS[kernel]
