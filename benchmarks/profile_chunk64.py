@@ -78,7 +78,7 @@ def make_inputs(mbs: int, seq: int, H: int, HV: int, D: int, gate: str, seed: in
     return x
 
 
-def kdakit64(window, keep=False):
+def kdakit64(window, keep=False, launch=None):
     def call(x):
         flags = gate_flags(x["gate"])
         opts = kda_options(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True,
@@ -87,7 +87,7 @@ def kdakit64(window, keep=False):
         A_log, dt_bias = opts.kernel_gate_params(x["A_log"], x["dt_bias"])
         return chunk64_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=A_log, dt_bias=dt_bias,
                            initial_state=None, cu_seqlens=x["cu_seqlens"], opts=opts, window_tokens=window,
-                           keep_intermediates=keep)
+                           keep_intermediates=keep, launch=launch)
     return call
 
 

@@ -1,8 +1,10 @@
-"""Launch-config sweep of the 64-token pipeline's kernels on the GPU: for each variant (one kernel's named
-constants changed from the shipped values), the per-kernel CUDA time of one forward+backward (torch.profiler,
-mean of 3 steps) at one shape and gate. A dev tool: the chosen values go back into the kernel files.
+"""Launch-config sweep of the 64-token pipeline's kernels on the GPU: for each variant (some of one kernel's
+launch constants overridden by name, passed to ``chunk64_kda(..., launch=...)``; ``kdakit/ops/kda/chunk/launch.py``),
+the per-kernel CUDA time of one forward+backward (torch.profiler, mean of 3 steps) at one shape, gate and window.
+The chosen values go back into the kernel files.
 
-Usage: python benchmarks/tune_chunk64.py --out DIR [--shape 1x8192:96] [--gate softplus] [--only walk_fwd,diag]
+Usage: python benchmarks/tune_chunk64.py --out DIR [--shape 1x8192:96] [--gate softplus] [--window 1024]
+       [--only chunk_prep_kernel,chunk_walk_fwd_kernel]
 """
 
 from __future__ import annotations
@@ -20,19 +22,19 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.profile_chunk64 import kdakit64, make_inputs, step  # noqa: E402
 
-# kernel name in the profile -> (module, list of overrides); the first entry of each list is the shipped config
+# kernel name in the profile -> (its module, variants: launch overrides); the first variant is the shipped config
 VARIANTS = {
     "chunk_prep_kernel": ("prep", [{}, {"PREP_BLOCK_K": 64}, {"PREP_BLOCK_K": 64, "PREP_NUM_WARPS": 8},
                                    {"PREP_BLOCK_K": 128, "PREP_NUM_WARPS": 8}, {"PREP_NUM_WARPS": 2}]),
     "chunk_walk_fwd_kernel": ("walk", [{}, {"WALK_FWD_WARPS": 8},
-                                       {"WALK_FWD_BLOCK_V": {"bf16": 128, "fp32": 16}, "WALK_FWD_WARPS": 8}]),
+                                       {"WALK_FWD_BLOCK_V": {"bf16": (128,), "fp32": (16,)}, "WALK_FWD_WARPS": 8}]),
     "chunk_intra_diag_kernel": ("intra", [{}, {"DIAG_BLOCK_H": 16, "DIAG_NUM_WARPS": 4},
                                           {"DIAG_BLOCK_H": 8, "DIAG_NUM_WARPS": 1}]),
     "chunk_intra_solve_kernel": ("intra", [{}, {"SOLVE_CONFIG": {"bf16": (16, 1, 2), "fp32": (16, 2, 1)}},
                                            {"SOLVE_CONFIG": {"bf16": (32, 1, 1), "fp32": (16, 2, 1)}}]),
     "chunk_intra_dots_kernel": ("intra", [{}, {"DOTS_CONFIG": {"bf16": (32, 1), "fp32": (32, 2)}}]),
     "chunk_wu_kernel": ("prep", [{}, {"WU_CONFIG": {"bf16": (64, 4), "fp32": (32, 4)}}]),
-    "chunk_walk_bwd_kernel": ("walk", [{}, {"WALK_BWD_WARPS": 2}, {"WALK_BWD_BLOCK_V": {"bf16": 64, "fp32": 16}}]),
+    "chunk_walk_bwd_kernel": ("walk", [{}, {"WALK_BWD_WARPS": 2}, {"WALK_BWD_BLOCK_V": {"bf16": (64,), "fp32": (16,)}}]),
     "chunk_grads_wy_kernel": ("grads", [
         {}, {"GRADS_WY_NUM_WARPS": 8, "GRADS_WY_BLOCKS": {"bf16": (32, 64), "fp32": (32, 32)}},
         {"GRADS_WY_NUM_STAGES": 3}, {"GRADS_WY_BLOCKS": {"bf16": (64, 64), "fp32": (32, 32)}, "GRADS_WY_NUM_WARPS": 8}]),
@@ -78,13 +80,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", default="1x8192:96")
     ap.add_argument("--gate", default="softplus")
+    ap.add_argument("--window", type=int, default=1024, help="window tokens (the default pipeline's at 96 heads)")
     ap.add_argument("--only", default=None)
     args = ap.parse_args(argv)
     mbs_seq, heads = args.shape.split(":")
     mbs, seq = (int(s) for s in mbs_seq.split("x"))
     x = make_inputs(mbs, seq, int(heads), int(heads), 128, args.gate, 0)
-    call = kdakit64(None)
-    results = {"shape": args.shape, "gate": args.gate, "kernels": {}}
+    results = {"shape": args.shape, "gate": args.gate, "window": args.window, "kernels": {}}
     order = ["chunk_prep_kernel", "chunk_grads_intra_kernel", "chunk_intra_solve_kernel", "chunk_grads_wy_kernel",
              "chunk_walk_fwd_kernel", "chunk_intra_diag_kernel", "chunk_wu_kernel", "chunk_walk_bwd_kernel",
              "chunk_finish_kernel", "chunk_dav_kernel", "chunk_grads_wy_dv_kernel"]
@@ -94,22 +96,16 @@ def main(argv=None) -> int:
         mod = importlib.import_module(f"kdakit.ops.kda.chunk.{mod_name}")
         rows = []
         for over in variants:
-            saved = {k: getattr(mod, k) for k in over}
-            for k, v in over.items():
-                setattr(mod, k, v)
+            row = {"override": {k: str(v) for k, v in over.items()}}
             try:
-                ms = kernel_times(call, x).get(kernel)
-                rows.append({"override": {k: str(v) for k, v in over.items()}, "ms": ms,
-                             "compiled": compiled(getattr(mod, kernel))})
+                row.update(ms=kernel_times(kdakit64(args.window, launch=over or None), x).get(kernel),
+                           compiled=compiled(getattr(mod, kernel)))
             except Exception as e:  # noqa: BLE001 - a variant that fails is a result too
-                rows.append({"override": {k: str(v) for k, v in over.items()}, "error": f"{type(e).__name__}: {e}"[:300]})
-                print(kernel, over, "ERROR", rows[-1]["error"], flush=True)
-                if "illegal memory access" in rows[-1]["error"]:
-                    break  # the context is gone
-            finally:
-                for k, v in saved.items():
-                    setattr(mod, k, v)
-            print(kernel, json.dumps(rows[-1]), flush=True)
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(kernel, json.dumps(row), flush=True)
+            if "illegal memory access" in row.get("error", ""):
+                break  # the context is gone
         results["kernels"][kernel] = rows
         with open(os.path.join(args.out, f"tune_chunk64_{args.gate}.json"), "w") as f:
             json.dump(results, f, indent=1)

@@ -12,6 +12,7 @@ import torch
 
 from kdakit.ops.kda.chunk.backward import chunk_bwd
 from kdakit.ops.kda.chunk.forward import chunk_fwd
+from kdakit.ops.kda.chunk.launch import launch_of
 from kdakit.ops.kda.chunk.plan import ChunkPlan, make_chunk_plan
 from kdakit.ops.kda.chunk.tiles import check_token_strides
 from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
@@ -48,11 +49,12 @@ class Chunk64Function(torch.autograd.Function):
 
 
 def chunk64_kda(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, opts: KDAOptions,
-                window_tokens: int | None = None, keep_intermediates: bool = False):
+                window_tokens: int | None = None, keep_intermediates: bool = False, launch=None):
     """Validated inputs (see ``kdakit.chunk_kda``; gate parameters as ``opts.kernel_gate_params`` gives them)
     -> ``(o, final_state or None)`` on the 64-token pipeline. ``window_tokens``: the plan's window (None: one
     window over the whole call). ``keep_intermediates``: the forward keeps its per-chunk intermediates for the
-    backward (whole-call scratch, no recomputation; the fast workspace)."""
+    backward (whole-call scratch, no recomputation; the fast workspace). ``launch``: overrides of the kernels'
+    launch constants by name (``chunk.launch.launch_of``; a tuning run's variant), None: the shipped configs."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.dtype not in TRITON_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16 or float32 for the Triton kernels, got {t.dtype}")
@@ -64,7 +66,8 @@ def chunk64_kda(q, k, v, g, beta, *, A_log, dt_bias, initial_state, cu_seqlens, 
     if cu_seqlens is not None:
         seqlens = list(opts.shape.seqlens) if opts.shape.seqlens is not None else sequence_lengths(1, 0, cu_seqlens)
     plan = make_chunk_plan(q.shape[0], q.shape[1], seqlens, q.device, window_tokens,
-                           slot_geometry=(q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype, g.dtype))
+                           slot_geometry=(q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype, g.dtype),
+                           launch=launch_of(launch))
     # without a backward to come (inference, torch.no_grad, no input needing a gradient) nothing is kept
     # beyond the checkpoints: the forward's slots are group-sized
     needs_grad = torch.is_grad_enabled() and any(

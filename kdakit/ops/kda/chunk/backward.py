@@ -51,6 +51,7 @@ def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, c
     n_rows = plan.table.shape[0]
     dalog_rows = torch.empty(n_rows, HV, dtype=torch.float32, device=dev) if A_log is not None else None
     dbias_rows = torch.empty(n_rows, HV, K, dtype=torch.float32, device=dev) if dt_bias is not None else None
+    launch = plan.launch
     dcarry = torch.zeros(plan.n_seqs, HV, K, V, dtype=torch.float32, device=dev)
     if dht is not None:
         dcarry.copy_(dht.transpose(-1, -2) if opts.state_v_first else dht)
@@ -64,24 +65,24 @@ def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, c
         else:
             x = {name: t[:n] for name, t in s.items()}
             x.update({name: t[r0:r1] for name, t in saved.items()})
-            x = window_intermediates(opts, rows, x, q, k, v, g, beta, A_log, dt_bias, intra=False)
+            x = window_intermediates(opts, rows, x, q, k, v, g, beta, A_log, dt_bias, intra=False, launch=launch)
             # the window's states from its checkpoint, which stays as it is (store_carry=False)
             run_walk_fwd(opts, rows, plan.seq_rows[w:w + 1], x["w"], x["u"], x["qg"], x["kd"], x["aqk"], x["gc"],
-                         checkpoints[w], x["h"], None, row0=r0, store_carry=False)
+                         checkpoints[w], x["h"], None, row0=r0, store_carry=False, launch=launch)
         y = {name: t[:n] for name, t in b.items()}
-        run_dav(opts, rows, do, x["u"], x["aqk"], y["daqk"], y["dvs"])
+        run_dav(opts, rows, do, x["u"], x["aqk"], y["daqk"], y["dvs"], launch=launch)
         run_walk_bwd(opts, rows, plan.seq_rows[w], x["w"], x["qg"], x["kd"], x["gc"], do, dcarry, y["dh"], y["dvs"],
-                     row0=r0)
+                     row0=r0, launch=launch)
         run_grads_wy(opts, rows, q, k, v, do, x["gc"], x["bt"], x["rq"], x["rk"], x["tinv"], x["w"], x["qg"],
                      x["kd"], x["u"], y["dvs"], x["h"], y["dh"], dv, y["dqh"], y["dkh"], y["dgs"], y["dgc"], y["dbs"],
-                     y["dakk"])
+                     y["dakk"], launch=launch)
         run_grads_intra(opts, rows, q, k, x["gc"], x["bt"], x["rq"], x["rk"], y["daqk"], y["dakk"], y["dqh"],
-                        y["dkh"], y["dgs"], y["dbs"])
+                        y["dkh"], y["dgs"], y["dbs"], launch=launch)
         run_finish(opts, rows, q, k, g, beta, A_log, dt_bias, x["rq"], x["rk"], y["dqh"], y["dkh"], y["dgs"],
                    y["dgc"], y["dbs"], dq, dk, dg, dbeta, dalog_rows[r0:r1] if dalog_rows is not None else None,
-                   dbias_rows[r0:r1] if dbias_rows is not None else None)
-    dA_log = partial_sums(dalog_rows) if dalog_rows is not None else None
-    ddt_bias = partial_sums(dbias_rows) if dbias_rows is not None else None
+                   dbias_rows[r0:r1] if dbias_rows is not None else None, launch=launch)
+    dA_log = partial_sums(dalog_rows, launch=launch) if dalog_rows is not None else None
+    ddt_bias = partial_sums(dbias_rows, launch=launch) if dbias_rows is not None else None
     dh0 = None
     if initial_state is not None:
         dh0 = dcarry.transpose(-1, -2) if opts.state_v_first else dcarry

@@ -40,6 +40,7 @@ from kdakit.ops.kda.chunk.tiles import (
     chunk_row,
     gate_params,
     head_group,
+    launch_values,
     token_base,
     token_dims,
     token_strides,
@@ -66,6 +67,9 @@ FINISH_NUM_WARPS = 4
 SUM_ROWS = 32
 SUM_BLOCK = 128
 SUM_NUM_WARPS = 4
+# the constants above that a tuning run may override by name (``chunk.launch.Launch``, ``tiles.launch_values``)
+LAUNCH_CONSTANTS = ("FINISH_ROWS", "FINISH_BLOCK_K", "FINISH_NUM_WARPS", "SUM_ROWS", "SUM_BLOCK",
+                    "SUM_NUM_WARPS")
 
 
 @triton.jit
@@ -170,7 +174,7 @@ def partial_sums_kernel(x, out, n, W, BR: tl.constexpr, BW: tl.constexpr):
     tl.store(out + cols, tl.sum(acc, axis=0), mask=cols < W)
 
 
-def partial_sums(rows: torch.Tensor) -> torch.Tensor:
+def partial_sums(rows: torch.Tensor, *, launch=None) -> torch.Tensor:
     """fp32 ``[n, *shape]`` contiguous partials -> fp32 ``[prod(shape)]``, their sum over the n rows (zeros for
     n == 0)."""
     if not isinstance(rows, torch.Tensor):
@@ -181,13 +185,13 @@ def partial_sums(rows: torch.Tensor) -> torch.Tensor:
     n, W = rows.shape[0], math.prod(rows.shape[1:])
     out = torch.empty(W, dtype=torch.float32, device=rows.device)
     if W:
-        partial_sums_kernel[(triton.cdiv(W, SUM_BLOCK),)](rows, out, n, W, BR=SUM_ROWS, BW=SUM_BLOCK,
-                                                           num_warps=SUM_NUM_WARPS, num_stages=1)
+        br, bw, warps = launch_values(launch, SUM_ROWS=SUM_ROWS, SUM_BLOCK=SUM_BLOCK, SUM_NUM_WARPS=SUM_NUM_WARPS)
+        partial_sums_kernel[(triton.cdiv(W, bw),)](rows, out, n, W, BR=br, BW=bw, num_warps=warps, num_stages=1)
     return out
 
 
 def run_finish(opts: KDAOptions, table, q, k, g, beta, A_log, dt_bias, rq, rk, dqh, dkh, dgs, dgc, dbs,
-               dq, dk, dg, dbeta, dalog, dbias) -> None:
+               dq, dk, dg, dbeta, dalog, dbias, *, launch=None) -> None:
     """dq, dk, dg, dbeta rows of the table's chunks, and the per-chunk partials dalog / dbias (None: not written;
     zeros without the in-kernel gate)."""
     if not isinstance(opts, KDAOptions):
@@ -213,14 +217,16 @@ def run_finish(opts: KDAOptions, table, q, k, g, beta, A_log, dt_bias, rq, rk, d
     if n == 0:
         return
     BKF = block_size(K)
+    rows_block, block_k, warps = launch_values(launch, FINISH_ROWS=FINISH_ROWS, FINISH_BLOCK_K=FINISH_BLOCK_K,
+                                               FINISH_NUM_WARPS=FINISH_NUM_WARPS)
     chunk_finish_kernel[(n, H)](
         table, q, k, g, beta, A_log, dt_bias, rq, rk, dqh, dkh, dgs, dgc, dbs, dq, dk, dg, dbeta, dalog, dbias,
         *token_strides(q), *token_strides(k), *token_strides(g), *token_strides(beta),
         *token_strides(dq), *token_strides(dk), *token_strides(dg), *token_strides(dbeta),
         opts.kernel_lower_bound, H,
-        HV=HV, K=K, C=CHUNK, BR=FINISH_ROWS, BKF=BKF, BK=min(FINISH_BLOCK_K, BKF), GROUP=group,
+        HV=HV, K=K, C=CHUNK, BR=rows_block, BKF=BKF, BK=min(block_k, BKF), GROUP=group,
         GATE=opts.gate, HAS_A_LOG=opts.has_A_log, HAS_BIAS=opts.has_dt_bias,
         USE_L2NORM=opts.use_qk_l2norm_in_kernel, BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
         NEG_EIGVAL=opts.neg_eigval, STORE_DALOG=dalog is not None, STORE_DBIAS=dbias is not None,
-        INTERPRETED=triton_interpreting(), num_warps=FINISH_NUM_WARPS, num_stages=1,
+        INTERPRETED=triton_interpreting(), num_warps=warps, num_stages=1,
     )

@@ -64,15 +64,17 @@ def pair_slots(n: int, HV: int, dtype: torch.dtype, device) -> dict:
 
 
 def window_intermediates(opts: KDAOptions, rows: torch.Tensor, s: dict, q, k, v, g, beta, A_log, dt_bias,
-                         intra: bool = True) -> dict:
+                         intra: bool = True, launch=None) -> dict:
     """prep, intra and wu of the chunk table's ``rows`` into the first ``len(rows)`` slots of ``s``; returns those
-    slot views. ``intra`` False: aqk and tinv are already in ``s`` (kept by the forward), only prep and wu run."""
+    slot views. ``intra`` False: aqk and tinv are already in ``s`` (kept by the forward), only prep and wu run.
+    ``launch``: the plan's launch overrides."""
     n = rows.shape[0]
     x = {name: t[:n] for name, t in s.items()}
-    run_prep(opts, rows, q, k, g, beta, A_log, dt_bias, x["gc"], x["bt"], x["rq"], x["rk"])
+    run_prep(opts, rows, q, k, g, beta, A_log, dt_bias, x["gc"], x["bt"], x["rq"], x["rk"], launch=launch)
     if intra:
-        run_intra(opts, rows, q, k, x["gc"], x["bt"], x["rq"], x["rk"], x["aqk"], x["akk_d"], x["tinv"])
-    run_wu(opts, rows, q, k, v, x["gc"], x["bt"], x["rq"], x["rk"], x["tinv"], x["w"], x["u"], x["qg"], x["kd"])
+        run_intra(opts, rows, q, k, x["gc"], x["bt"], x["rq"], x["rk"], x["aqk"], x["akk_d"], x["tinv"], launch=launch)
+    run_wu(opts, rows, q, k, v, x["gc"], x["bt"], x["rq"], x["rk"], x["tinv"], x["w"], x["u"], x["qg"], x["kd"],
+           launch=launch)
     return x
 
 
@@ -101,7 +103,7 @@ def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_
     s = forward_slots(n_rows if keep else plan.forward_slots, H, HV, K, V, q.dtype, q.device, states=keep,
                       pairs=pairs is None)
     if keep and n_rows:
-        window_intermediates(opts, plan.table, s, q, k, v, g, beta, A_log, dt_bias)
+        window_intermediates(opts, plan.table, s, q, k, v, g, beta, A_log, dt_bias, launch=plan.launch)
     groups = ((0, plan.n_windows),) if keep else plan.forward_groups
     for w0, w1 in groups:
         g0, g1 = plan.window_rows[w0][0], plan.window_rows[w1 - 1][1]
@@ -112,11 +114,11 @@ def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_
                 x.update({name: t[g0:g1] for name, t in pairs.items()})
             if g1 > g0:
                 # the group's state-independent stages in one launch each, into slots 0 .. g1 - g0
-                window_intermediates(opts, plan.table[g0:g1], x, q, k, v, g, beta, A_log, dt_bias)
+                window_intermediates(opts, plan.table[g0:g1], x, q, k, v, g, beta, A_log, dt_bias, launch=plan.launch)
         # one walk over the group's windows, writing the state entering each window into its checkpoint
         run_walk_fwd(opts, plan.table[base:g1], plan.seq_rows[w0:w1], x["w"], x["u"], x["qg"], x["kd"], x["aqk"],
                      x["gc"], carry, x.get("h"), o, row0=base,
-                     checkpoints=checkpoints[w0:w1] if checkpoints is not None else None)
+                     checkpoints=checkpoints[w0:w1] if checkpoints is not None else None, launch=plan.launch)
     final = None
     if opts.output_final_state:
         final = carry.transpose(-1, -2).contiguous() if opts.state_v_first else carry

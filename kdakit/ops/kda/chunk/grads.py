@@ -48,6 +48,7 @@ from kdakit.ops.kda.chunk.tiles import (
     CHUNK,
     check_token_strides,
     chunk_row,
+    launch_values,
     load_tile,
     store_tile,
     token_base,
@@ -69,6 +70,9 @@ GRADS_WY_DV_STAGES = {"bf16": 2, "fp32": 1}  # chunk_grads_wy_dv_kernel (fp32 op
 GRADS_WY_BLOCKS = {"bf16": (32, 32), "fp32": (32, 32)}  # chunk_grads_wy_kernel: a program's key block, V step
 # (bf16 at (32, 64) and 4 warps built without spills but faulted on sm_90a: out-of-range shared address)
 GRADS_WY_DV_BLOCKS = {"bf16": (64, 128), "fp32": (64, 32)}  # chunk_grads_wy_dv_kernel: inner K step, V step
+# the constants above that a tuning run may override by name (``chunk.launch.Launch``, ``tiles.launch_values``)
+LAUNCH_CONSTANTS = ("GRADS_WY_NUM_WARPS", "GRADS_WY_NUM_STAGES", "GRADS_WY_DV_STAGES", "GRADS_WY_BLOCKS",
+                    "GRADS_WY_DV_BLOCKS")
 
 
 # ---------------------------------------------------------------------------------------
@@ -223,7 +227,7 @@ def _check_token(name: str, x, shape: tuple, dtype: torch.dtype, device) -> None
 
 
 def run_grads_wy(opts: KDAOptions, table, q, k, v, do, gc, bt, rq, rk, tinv, w, qg, kd, u, dvs, h, dh,
-                 dv, dqh, dkh, dgs, dgc, dbs, dakk) -> None:
+                 dv, dqh, dkh, dgs, dgc, dbs, dakk, *, launch=None) -> None:
     """Launch ``chunk_grads_wy_kernel`` over the chunk table's rows (a window); writes dv's rows and the slots
     dqh, dkh, dgs, dgc, dbs, dakk. Slot tensors are the window's (first dimension = the table's rows)."""
     if not isinstance(opts, KDAOptions):
@@ -267,17 +271,20 @@ def run_grads_wy(opts: KDAOptions, table, q, k, v, do, gc, bt, rq, rk, tinv, w, 
         return
     grad_op, grad_prec = grad_operands(dtype)
     kind = "fp32" if grad_op == GRAD_OP_FP32 else "bf16"
-    BK, BV = (min(x, block_size(d)) for x, d in zip(GRADS_WY_BLOCKS[kind], (K, V)))
+    warps, stages, dv_stages, blocks, dv_blocks = launch_values(
+        launch, GRADS_WY_NUM_WARPS=GRADS_WY_NUM_WARPS, GRADS_WY_NUM_STAGES=GRADS_WY_NUM_STAGES,
+        GRADS_WY_DV_STAGES=GRADS_WY_DV_STAGES, GRADS_WY_BLOCKS=GRADS_WY_BLOCKS, GRADS_WY_DV_BLOCKS=GRADS_WY_DV_BLOCKS)
+    BK, BV = (min(x, block_size(d)) for x, d in zip(blocks[kind], (K, V)))
     chunk_grads_wy_kernel[(n * HV * triton.cdiv(K, BK),)](
         table, k, do, gc, bt, rk, tinv, qg, kd, u, dvs, h, dh, dqh, dkh, dgs, dgc,
         *k.stride()[:3], *do.stride()[:3], float(opts.scale), H, HV,
         K=K, V=V, C=C, BK=BK, BV=BV, GRAD_OP=grad_op, GRAD_PREC=grad_prec,
-        num_warps=GRADS_WY_NUM_WARPS, num_stages=GRADS_WY_NUM_STAGES,
+        num_warps=warps, num_stages=stages,
     )
-    BK, BV = (min(x, block_size(d)) for x, d in zip(GRADS_WY_DV_BLOCKS[kind], (K, V)))
+    BK, BV = (min(x, block_size(d)) for x, d in zip(dv_blocks[kind], (K, V)))
     chunk_grads_wy_dv_kernel[(n, HV)](
         table, k, v, gc, bt, rk, tinv, dvs, h, dv, dbs, dakk,
         *k.stride()[:3], *v.stride()[:3], *dv.stride()[:3], H, HV,
         K=K, V=V, C=C, BK=BK, BV=BV, GRAD_OP=grad_op, GRAD_PREC=grad_prec,
-        num_warps=GRADS_WY_NUM_WARPS, num_stages=GRADS_WY_DV_STAGES[kind],
+        num_warps=warps, num_stages=dv_stages[kind],
     )

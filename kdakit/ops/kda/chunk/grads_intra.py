@@ -57,7 +57,8 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import dot_precision, triton_interpreting
-from kdakit.ops.kda.chunk.tiles import CHUNK, SUB, check_token_strides, chunk_row, dot_operand, token_base
+from kdakit.ops.kda.chunk.tiles import (CHUNK, SUB, check_token_strides, chunk_row, dot_operand, launch_values,
+                                        token_base)
 from kdakit.ops.kda.chunk_common import block_size, load_row_scalars
 from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
 from kdakit.ops.kda.options import KDAOptions
@@ -73,6 +74,8 @@ from kdakit.ops.kda.options import KDAOptions
 GRADS_INTRA_NUM_WARPS = {"bf16": 2, "fp32": 4}  # by operand kind (fp32 operands spill at 2 warps)
 GRADS_INTRA_NUM_STAGES = 1
 GRADS_INTRA_BLOCK_K = 32  # K-loop step: the [16, BK] accumulators dq, dkr, dkt, dg live with the sub-chunk's G
+# the constants above that a tuning run may override by name (``chunk.launch.Launch``, ``tiles.launch_values``)
+LAUNCH_CONSTANTS = ("GRADS_INTRA_NUM_WARPS", "GRADS_INTRA_NUM_STAGES", "GRADS_INTRA_BLOCK_K")
 
 # The run-time check of the diagonal blocks (without SAFE): a K block whose |G - G_mid| stays <= 40 over the
 # sub-chunk's tile takes the dots, whose factors exp(G - G_mid) and exp(G_mid - G) then lie within exp(+-40): the
@@ -321,7 +324,8 @@ def _check_slot(name, x, shape, device) -> None:
         raise ValueError(f"{name} must be contiguous (a slot tensor), got strides {tuple(x.stride())}")
 
 
-def run_grads_intra(opts: KDAOptions, table, q, k, gc, bt, rq, rk, daqk, dakk, dqh, dkh, dgs, dbs) -> None:
+def run_grads_intra(opts: KDAOptions, table, q, k, gc, bt, rq, rk, daqk, dakk, dqh, dkh, dgs, dbs, *,
+                    launch=None) -> None:
     """Add the pairwise gradients of Aqk (from ``daqk``) and A = diag(β) Akk (from ``dakk``) of the table's chunks
     to the slots dqh, dkh, dgs, dbs (slot i = table row i; their padded rows are left as they are)."""
     if not isinstance(opts, KDAOptions):
@@ -359,10 +363,13 @@ def run_grads_intra(opts: KDAOptions, table, q, k, gc, bt, rq, rk, daqk, dakk, d
     if n == 0 or HV == 0:
         return
     op_bf16 = q.dtype != torch.float32
+    warps, stages, block_k = launch_values(launch, GRADS_INTRA_NUM_WARPS=GRADS_INTRA_NUM_WARPS,
+                                           GRADS_INTRA_NUM_STAGES=GRADS_INTRA_NUM_STAGES,
+                                           GRADS_INTRA_BLOCK_K=GRADS_INTRA_BLOCK_K)
     chunk_grads_intra_kernel[(n * (C // SUB), HV)](
         table, q, k, gc, bt, rq, rk, daqk, dakk, dqh, dkh, dgs, dbs,
         *q.stride()[:3], *k.stride()[:3], float(opts.scale), H, HV,
-        K=K, BK=min(GRADS_INTRA_BLOCK_K, block_size(K)), C=C, SUBC=SUB, SAFE=bool(opts.safe),
+        K=K, BK=min(block_k, block_size(K)), C=C, SUBC=SUB, SAFE=bool(opts.safe),
         OP_BF16=op_bf16, EMULATE_BF16=op_bf16 and triton_interpreting(), DOT_PREC=dot_precision(q.dtype),
-        num_warps=GRADS_INTRA_NUM_WARPS["bf16" if op_bf16 else "fp32"], num_stages=GRADS_INTRA_NUM_STAGES,
+        num_warps=warps["bf16" if op_bf16 else "fp32"], num_stages=stages,
     )

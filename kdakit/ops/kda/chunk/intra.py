@@ -53,7 +53,8 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import dot_precision, triton_interpreting
-from kdakit.ops.kda.chunk.tiles import CHUNK, SUB, check_token_strides, chunk_row, dot_operand, token_base
+from kdakit.ops.kda.chunk.tiles import (CHUNK, SUB, check_token_strides, chunk_row, dot_operand, launch_values,
+                                        token_base)
 from kdakit.ops.kda.chunk_common import block_size, load_row_scalars, round_to_bf16_if
 from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
 
@@ -68,15 +69,17 @@ DIAG_BLOCK_H = 2  # value heads per token-parallel program ([BH, BK] tiles)
 DIAG_NUM_WARPS = 1
 DOTS_CONFIG = {"bf16": (64, 1), "fp32": (32, 2)}  # the dots kernel's (BLOCK_K, warps)
 SOLVE_CONFIG = {"bf16": (32, 1, 2), "fp32": (16, 2, 1)}  # the solve kernel's (BLOCK_K, warps, stages)
+# the constants above that a tuning run may override by name (``chunk.launch.Launch``, ``tiles.launch_values``)
+LAUNCH_CONSTANTS = ("DIAG_BLOCK_H", "DIAG_NUM_WARPS", "DOTS_CONFIG", "SOLVE_CONFIG")
 # The solve kernel keeps small spills: bf16 at (32, 1, 2) ~60 B, measured on an H100 faster than the spill-free
 # (16, 1, 2) on the unbounded gate's inputs (docs/perf_notes.md); fp32 at (16, 2, 1) ~12 B, the least among 1-8
 # warps (its inverse dots at 3xTF32), not timed.
 SOLVE_SPILL_BUDGET = {"bf16": 64, "fp32": 16}  # bytes of spill stores + loads the build test allows
 
 
-def solve_block_k(op_bf16: bool, BK: int) -> int:
+def solve_block_k(op_bf16: bool, BK: int, launch=None) -> int:
     """The solve kernel's key block for the operand kind, at most BK."""
-    return min(SOLVE_CONFIG["bf16" if op_bf16 else "fp32"][0], BK)
+    return min(launch_values(launch, SOLVE_CONFIG=SOLVE_CONFIG)[0]["bf16" if op_bf16 else "fp32"][0], BK)
 
 
 # ---------------------------------------------------------------------------------------
@@ -431,7 +434,7 @@ def _check(name: str, x, shape: tuple, dtype: torch.dtype, device) -> None:
         raise ValueError(f"{name} must be contiguous (a slot tensor)")
 
 
-def run_intra(opts, table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv) -> None:
+def run_intra(opts, table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv, *, launch=None) -> None:
     """Aqk, Tinv of the table's chunks into the caller's aqk, tinv (slot i = table row i); akk_d is the scratch
     that carries Akk's diagonal blocks from the diagonal kernels to the solve kernel (every row written).
     ``opts.safe``: the gate is >= -5 per token, every diagonal block is formed by dots."""
@@ -472,22 +475,24 @@ def run_intra(opts, table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv) -> None:
     BK = block_size(K)
     round_out = interp and q.dtype == torch.bfloat16
     safe = bool(opts.safe)
+    diag_h, diag_warps, dots, solve = launch_values(launch, DIAG_BLOCK_H=DIAG_BLOCK_H, DIAG_NUM_WARPS=DIAG_NUM_WARPS,
+                                                    DOTS_CONFIG=DOTS_CONFIG, SOLVE_CONFIG=SOLVE_CONFIG)
     if not safe:
-        chunk_intra_diag_kernel[(n * C, triton.cdiv(HV, DIAG_BLOCK_H))](
+        chunk_intra_diag_kernel[(n * C, triton.cdiv(HV, diag_h))](
             table, q, k, gc, rq, rk, aqk, akk_d, opts.scale, *strides, H, HV,
-            K=K, BK=BK, BH=DIAG_BLOCK_H, C=C, SB=SUB, ROUND=round_out, num_warps=DIAG_NUM_WARPS, num_stages=1,
+            K=K, BK=BK, BH=diag_h, C=C, SB=SUB, ROUND=round_out, num_warps=diag_warps, num_stages=1,
         )
     kind = "bf16" if op_bf16 else "fp32"
-    dots_bk, dots_warps = DOTS_CONFIG[kind]
+    dots_bk, dots_warps = dots[kind]
     chunk_intra_dots_kernel[(n * (C // SUB), HV)](
         table, q, k, gc, rq, rk, aqk, akk_d, opts.scale, *strides, H, HV,
         K=K, BK=min(dots_bk, BK), C=C, SB=SUB, OP_BF16=op_bf16, EMULATE_BF16=op_bf16 and interp,
         DOT_PREC=dot_precision(q.dtype), ROUND=round_out, SAFE=safe, num_warps=dots_warps, num_stages=1,
     )
-    _, solve_warps, solve_stages = SOLVE_CONFIG[kind]
+    solve_bk, solve_warps, solve_stages = solve[kind]
     chunk_intra_solve_kernel[(n, HV)](
         table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv, opts.scale, *strides, H, HV,
-        K=K, BK=solve_block_k(op_bf16, BK), C=C, SB=SUB, OP_BF16=op_bf16, EMULATE_BF16=op_bf16 and interp,
+        K=K, BK=min(solve_bk, BK), C=C, SB=SUB, OP_BF16=op_bf16, EMULATE_BF16=op_bf16 and interp,
         DOT_PREC=dot_precision(q.dtype), INV_PREC=dot_precision(torch.float32), ROUND=round_out,
         num_warps=solve_warps, num_stages=solve_stages,
     )

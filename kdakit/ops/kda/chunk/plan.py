@@ -7,7 +7,7 @@ to the device once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -61,6 +61,7 @@ class ChunkPlan:
     max_slots: int  # the largest window's chunk count: the backward's scratch's leading size
     forward_groups: tuple[tuple[int, int], ...]  # the forward's groups of windows
     forward_slots: int  # the largest group's chunk count: the recomputing forward's scratch's leading size
+    launch: object = None  # the kernels' launch overrides (``chunk.launch.Launch``), None: the shipped configs
 
     @property
     def n_windows(self) -> int:
@@ -68,11 +69,12 @@ class ChunkPlan:
 
 
 def make_chunk_plan(B: int, T: int, seqlens, device, window_tokens: int | None = None,
-                    slot_geometry: tuple | None = None) -> ChunkPlan:
+                    slot_geometry: tuple | None = None, launch=None) -> ChunkPlan:
     """The plan of a call with B x T tokens (``seqlens``: packed lengths, B == 1). ``window_tokens``: the
     window's length, a positive multiple of CHUNK (None: one window holding every chunk). ``slot_geometry``:
     ``(H, HV, K, V, dtype, g_dtype)`` of the call, which sizes the forward's groups of windows
-    (``chunk64_forward_groups``); None: one window a group.
+    (``chunk64_forward_groups``); None: one window a group. ``launch``: the kernels' launch overrides
+    (``chunk.launch.launch_of``), carried to every launcher; None: the shipped configs.
 
     Memoized by the call's geometry, so that a CUDA-graph capture after an eager warm call of the same shape
     copies nothing to the device."""
@@ -80,7 +82,8 @@ def make_chunk_plan(B: int, T: int, seqlens, device, window_tokens: int | None =
                                       or window_tokens <= 0 or window_tokens % CHUNK):
         raise ValueError(f"window_tokens must be a positive multiple of {CHUNK} or None, got {window_tokens!r}")
     key = None if seqlens is None else tuple(int(x) for x in seqlens)
-    return _plan(int(B), int(T), key, str(torch.device(device)), window_tokens, slot_geometry)
+    plan = _plan(int(B), int(T), key, str(torch.device(device)), window_tokens, slot_geometry)
+    return plan if launch is None else replace(plan, launch=launch)
 
 
 @lru_cache(maxsize=64)

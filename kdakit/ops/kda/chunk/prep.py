@@ -36,6 +36,7 @@ from kdakit.ops.kda.chunk.tiles import (
     dot_operand,
     gate_params,
     head_group,
+    launch_values,
     token_base,
     token_dims,
     token_strides,
@@ -56,6 +57,8 @@ from kdakit.ops.kda.options import KDAOptions
 PREP_BLOCK_K = 32
 PREP_NUM_WARPS = 4
 WU_CONFIG = {"bf16": (64, 8), "fp32": (32, 4)}  # the wu kernel's (BK = BV, warps) by operand kind
+# the constants above that a tuning run may override by name (``chunk.launch.Launch``, ``tiles.launch_values``)
+LAUNCH_CONSTANTS = ("PREP_BLOCK_K", "PREP_NUM_WARPS", "WU_CONFIG")
 
 
 # ---------------------------------------------------------------------------------------
@@ -177,8 +180,9 @@ def chunk_wu_kernel(
 # ---------------------------------------------------------------------------------------
 
 
-def run_prep(opts: KDAOptions, table, q, k, g, beta, A_log, dt_bias, gc, bt, rq, rk) -> None:
+def run_prep(opts: KDAOptions, table, q, k, g, beta, A_log, dt_bias, gc, bt, rq, rk, *, launch=None) -> None:
     """gc, bt, rq, rk of the table's chunks (A_log / dt_bias: ``opts.kernel_gate_params`` views or None)."""
+    block_k, warps = launch_values(launch, PREP_BLOCK_K=PREP_BLOCK_K, PREP_NUM_WARPS=PREP_NUM_WARPS)
     if not isinstance(opts, KDAOptions):
         raise TypeError(f"opts must be a KDAOptions, got {type(opts).__name__}")
     n = check_table(table)
@@ -200,14 +204,14 @@ def run_prep(opts: KDAOptions, table, q, k, g, beta, A_log, dt_bias, gc, bt, rq,
         table, q, k, g, beta, A_log, dt_bias, gc, bt, rq, rk,
         *token_strides(q), *token_strides(k), *token_strides(g), *token_strides(beta),
         opts.kernel_lower_bound, H,
-        HV=HV, K=K, C=CHUNK, BK=min(PREP_BLOCK_K, block_size(K)), GROUP=group,
+        HV=HV, K=K, C=CHUNK, BK=min(block_k, block_size(K)), GROUP=group,
         GATE=opts.gate, HAS_A_LOG=opts.has_A_log, HAS_BIAS=opts.has_dt_bias,
         USE_L2NORM=opts.use_qk_l2norm_in_kernel, BETA_SIGMOID=opts.use_beta_sigmoid_in_kernel,
-        NEG_EIGVAL=opts.neg_eigval, num_warps=PREP_NUM_WARPS, num_stages=1,
+        NEG_EIGVAL=opts.neg_eigval, num_warps=warps, num_stages=1,
     )
 
 
-def run_wu(opts: KDAOptions, table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd) -> None:
+def run_wu(opts: KDAOptions, table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd, *, launch=None) -> None:
     """W, U, qg, kd of the table's chunks from the prep slots and Tinv."""
     if not isinstance(opts, KDAOptions):
         raise TypeError(f"opts must be a KDAOptions, got {type(opts).__name__}")
@@ -230,13 +234,14 @@ def run_wu(opts: KDAOptions, table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd)
     if n == 0:
         return
     op_bf16 = dt != torch.float32
-    kind = "bf16" if op_bf16 else "fp32"
+    block, warps = launch_values(launch, WU_CONFIG=WU_CONFIG)[0]["bf16" if op_bf16 else "fp32"]
     chunk_wu_kernel[(n, HV)](
         table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd,
         *token_strides(q), *token_strides(k), *token_strides(v),
         H,
-        HV=HV, K=K, V=V, C=CHUNK, BK=min(WU_CONFIG[kind][0], block_size(K)), BV=min(WU_CONFIG[kind][0], block_size(V)), GROUP=group,
+        HV=HV, K=K, V=V, C=CHUNK, BK=min(block, block_size(K)), BV=min(block, block_size(V)),
+        GROUP=group,
         OP_BF16=op_bf16, EMULATE_BF16=op_bf16 and triton_interpreting(),
         INTERPRETED=triton_interpreting(), DOT_PREC=dot_precision(dt),
-        num_warps=WU_CONFIG[kind][1], num_stages=1,
+        num_warps=warps, num_stages=1,
     )

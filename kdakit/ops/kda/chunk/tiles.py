@@ -21,6 +21,14 @@ CHUNK = 64  # tokens per chunk (C)
 SUB = 16  # tokens per sub-chunk: the diagonal blocks formed token-parallel
 
 
+def launch_values(launch, **shipped) -> tuple:
+    """The launch constants a launcher reads, in the order given: each ``shipped`` value (its kernel file's named
+    config) unless ``launch`` (a ``chunk.launch.Launch``, or None for the shipped configs) overrides that name."""
+    if launch is None:
+        return tuple(shipped.values())
+    return tuple(launch.get(name, value) for name, value in shipped.items())
+
+
 @triton.jit
 def chunk_row(table, i):
     """Row ``i`` of the chunk table -> (n, b, t0, L): int64 sequence, batch row and first token, int32 length."""

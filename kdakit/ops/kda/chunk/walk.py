@@ -54,6 +54,7 @@ from kdakit.ops.kda.chunk.tiles import (
     check_token_strides,
     chunk_row,
     dot_operand,
+    launch_values,
     token_base,
 )
 from kdakit.ops.kda.chunk_common import block_size
@@ -79,6 +80,9 @@ WALK_BWD_BLOCK_V = {"bf16": (32, 16), "fp32": (16,)}
 DAV_WARPS = 4
 DAV_STAGES = 1
 DAV_BLOCK_V = {"bf16": 128, "fp32": 32}
+# the constants above that a tuning run may override by name (``chunk.launch.Launch``, ``tiles.launch_values``)
+LAUNCH_CONSTANTS = ("WALK_FWD_WARPS", "WALK_FWD_STAGES", "WALK_FWD_BLOCK_V", "WALK_BWD_WARPS", "WALK_BWD_STAGES",
+                    "WALK_BWD_BLOCK_V", "DAV_WARPS", "DAV_STAGES", "DAV_BLOCK_V")
 # bytes of spill stores + loads per kernel. bf16: the forward walk that stores states and o (the fast workspace's
 # one launch over every window) keeps 56 B at 64-wide V blocks since the walk loops over windows; not timed apart.
 WALK_SPILL_BUDGET = {"bf16": 64, "fp32": 960}
@@ -390,7 +394,7 @@ def _flags(dtype: torch.dtype) -> dict:
 def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
                  qg: torch.Tensor, kd: torch.Tensor, aqk: torch.Tensor, gc: torch.Tensor, carry: torch.Tensor,
                  h: torch.Tensor | None, o: torch.Tensor | None, *, row0: int = 0,
-                 checkpoints: torch.Tensor | None = None, store_carry: bool = True) -> None:
+                 checkpoints: torch.Tensor | None = None, store_carry: bool = True, launch=None) -> None:
     """The forward state walk over consecutive windows (``seq_rows`` int32 ``[n_win, N, 2]``: per window and
     sequence, its first row of the chunk table and its chunk count; the slots and ``table`` hold rows ``row0``
     on): h and V' (over u) when h is given, o's rows when o is given, the state entering each window into
@@ -428,20 +432,22 @@ def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
             checkpoints.copy_(carry.expand_as(checkpoints))
         return
     kind = operand_kind(u.dtype)
-    BV = walk_block_v(WALK_FWD_BLOCK_V[kind], N * HV, V, sm_count(u.device))
+    warps, stages, blocks = launch_values(launch, WALK_FWD_WARPS=WALK_FWD_WARPS, WALK_FWD_STAGES=WALK_FWD_STAGES,
+                                          WALK_FWD_BLOCK_V=WALK_FWD_BLOCK_V)
+    BV = walk_block_v(blocks[kind], N * HV, V, sm_count(u.device))
     so = o.stride()[:3] if o is not None else (0, 0, 0)
     chunk_walk_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
         table, seq_rows, w, u, qg, kd, aqk, gc, carry, checkpoints if checkpoints is not None else carry,
         h if h is not None else u, o if o is not None else u, float(opts.scale), HV, int(row0), n_win, *so,
         K=K, V=V, C=CHUNK, BK=block_size(K), BV=BV, STORE_O=o is not None, STORE_STATES=h is not None,
         STORE_CKPT=checkpoints is not None, STORE_CARRY=bool(store_carry), **flags,
-        LOOP_WHILE=triton_interpreting(), num_warps=WALK_FWD_WARPS, num_stages=WALK_FWD_STAGES[kind],
+        LOOP_WHILE=triton_interpreting(), num_warps=warps, num_stages=stages[kind],
     )
 
 
 def run_walk_bwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, w: torch.Tensor, qg: torch.Tensor,
                  kd: torch.Tensor, gc: torch.Tensor, do: torch.Tensor, carry: torch.Tensor, dh: torch.Tensor,
-                 dvs: torch.Tensor, *, row0: int = 0) -> None:
+                 dvs: torch.Tensor, *, row0: int = 0, launch=None) -> None:
     """The reverse state-gradient walk over one window (``seq_rows`` int32 ``[N, 2]``: per sequence, its first row
     of the chunk table and its chunk count; the slots and ``table`` hold rows ``row0`` on): dh, dV' (over dvs),
     the carry (dS) in place."""
@@ -459,16 +465,18 @@ def run_walk_bwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
     _check_tokens("do", do, HV, V)
     if N * HV == 0 or n == 0:
         return
-    BV = walk_block_v(WALK_BWD_BLOCK_V[operand_kind(w.dtype)], N * HV, V, sm_count(w.device))
+    warps, stages, blocks = launch_values(launch, WALK_BWD_WARPS=WALK_BWD_WARPS, WALK_BWD_STAGES=WALK_BWD_STAGES,
+                                          WALK_BWD_BLOCK_V=WALK_BWD_BLOCK_V)
+    BV = walk_block_v(blocks[operand_kind(w.dtype)], N * HV, V, sm_count(w.device))
     chunk_walk_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         table, seq_rows, w, qg, kd, gc, do, carry, dh, dvs, float(opts.scale), HV, int(row0), *do.stride()[:3],
         K=K, V=V, C=CHUNK, BK=block_size(K), BV=BV, **flags, LOOP_WHILE=triton_interpreting(),
-        num_warps=WALK_BWD_WARPS, num_stages=WALK_BWD_STAGES,
+        num_warps=warps, num_stages=stages,
     )
 
 
 def run_dav(opts: KDAOptions, table: torch.Tensor, do: torch.Tensor, u: torch.Tensor, aqk: torch.Tensor,
-            daqk: torch.Tensor, dvs: torch.Tensor) -> None:
+            daqk: torch.Tensor, dvs: torch.Tensor, *, launch=None) -> None:
     """dAqk (fp32 into daqk) and Aqk^T dO (fp32 into dvs) of every chunk of a window; u holds V'."""
     n, HV, V = _slot_dims("u", u, CHUNK)
     if not isinstance(table, torch.Tensor):
@@ -483,7 +491,9 @@ def run_dav(opts: KDAOptions, table: torch.Tensor, do: torch.Tensor, u: torch.Te
     _check_tokens("do", do, HV, V)
     if n * HV == 0:
         return
+    warps, stages, blocks = launch_values(launch, DAV_WARPS=DAV_WARPS, DAV_STAGES=DAV_STAGES, DAV_BLOCK_V=DAV_BLOCK_V)
     chunk_dav_kernel[(n, HV)](
         table, do, u, aqk, daqk, dvs, HV, *do.stride()[:3],
-        V=V, C=CHUNK, BV=min(DAV_BLOCK_V[operand_kind(u.dtype)], block_size(V)), **flags, num_warps=DAV_WARPS, num_stages=DAV_STAGES,
+        V=V, C=CHUNK, BV=min(blocks[operand_kind(u.dtype)], block_size(V)), **flags, num_warps=warps,
+        num_stages=stages,
     )

@@ -66,7 +66,7 @@ def _run(fn, x, flags, v_first, do, dht):
     return o.detach(), ht.detach() if ht is not None else None, {n: t.grad for n, t in leaves.items()}
 
 
-def _ours(x, window, keep=False):
+def _ours(x, window, keep=False, launch=None):
     def fn(leaves, flags, v_first):
         q, k, v, g, beta = (leaves[n] for n in ("q", "k", "v", "g", "beta"))
         opts = kda_options(q, k, v, g, beta, initial_state=leaves.get("initial_state"), output_final_state=True,
@@ -75,7 +75,7 @@ def _ours(x, window, keep=False):
         A_log, dt_bias = opts.kernel_gate_params(leaves.get("A_log"), leaves.get("dt_bias"))
         return chunk64_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=leaves.get("initial_state"),
                            cu_seqlens=x["cu_seqlens"], opts=opts, window_tokens=window,
-                           keep_intermediates=keep)
+                           keep_intermediates=keep, launch=launch)
     return fn
 
 
