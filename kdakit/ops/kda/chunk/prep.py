@@ -52,10 +52,11 @@ from kdakit.ops.kda.chunk_common import (
 )
 from kdakit.ops.kda.options import KDAOptions
 
-# Launch configs. prep: [C, PREP_BLOCK_K] fp32 tiles (gate, cumsum); wu: one [C, C] x [C, BK] dot per
-# output block, Tinv held as a dot operand across the blocks.
-PREP_BLOCK_K = 32
-PREP_NUM_WARPS = 4
+# Launch configs. prep: [C, PREP_BLOCK_K] fp32 tiles (gate, cumsum): the whole row at K = 128 on 8 warps keeps the
+# most loads in flight (the fastest of block K 32-128 x 2-8 warps; docs/perf_notes.md); wu: one [C, C] x [C, BK]
+# dot per output block, Tinv held as a dot operand across the blocks.
+PREP_BLOCK_K = 128
+PREP_NUM_WARPS = 8
 WU_CONFIG = {"bf16": (64, 8), "fp32": (32, 4)}  # the wu kernel's (BK = BV, warps) by operand kind
 # the constants above that a tuning run may override by name (``chunk.launch.Launch``, ``tiles.launch_values``)
 LAUNCH_CONSTANTS = ("PREP_BLOCK_K", "PREP_NUM_WARPS", "WU_CONFIG")
