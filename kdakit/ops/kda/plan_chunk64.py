@@ -9,6 +9,13 @@ from typing import Sequence
 import torch
 
 CHUNK64 = 64
+PAIR_WIDTH = 2 * CHUNK64  # a token's row of its chunk's aqk and tinv, in the token dtype
+
+
+def pairs_in_gradient(K: int, dtype: torch.dtype, g_dtype: torch.dtype) -> bool:
+    """Whether the pairs of a call with a backward live in g's gradient rows (``chunk.forward.pair_rows``): a dg row
+    (K elements of g's dtype) holds a token's aqk and tinv rows (``PAIR_WIDTH`` of the token dtype)."""
+    return K * g_dtype.itemsize >= PAIR_WIDTH * dtype.itemsize
 
 
 def chunk64_windows(lengths: Sequence[int], window_tokens: int) -> tuple[int, int, int, int]:
@@ -49,10 +56,11 @@ def chunk64_forward_groups(window_rows: Sequence[int], *, B: int, T: int, H: int
     forward does not set the step's peak; of the fewest groups that fit, the rows are spread as evenly as the
     windows allow."""
     max_slots = max(window_rows, default=0)
-    per_row = _bytes(chunk64_forward_slots(1, H, HV, K, V, dtype, states=False, pairs=False))
+    per_row = _bytes(chunk64_forward_slots(1, H, HV, K, V, dtype, states=False))
     bwd = _bytes(chunk64_backward_slots(max_slots, HV, K, V, dtype))
-    grads = B * T * (2 * H * K * dtype.itemsize + HV * K * g_dtype.itemsize + HV * V * dtype.itemsize
-                     + HV * dtype.itemsize)
+    # the gradients the forward does not hold already: dg is the forward's pair tensor when the pairs fit in it
+    dg = 0 if pairs_in_gradient(K, dtype, g_dtype) else HV * K * g_dtype.itemsize
+    grads = B * T * (2 * H * K * dtype.itemsize + dg + HV * V * dtype.itemsize + HV * dtype.itemsize)
     cap = max_slots + (bwd + grads) // per_row
     # the fewest groups that fit, then as even as the windows allow (smaller slots for the same launches)
     fewest = len(_greedy_groups(window_rows, cap))
@@ -76,16 +84,12 @@ def _greedy_groups(window_rows: Sequence[int], cap: int) -> tuple[tuple[int, int
 
 
 def chunk64_forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, states: bool = True,
-                          pairs: bool = True, intra_scratch: bool = True) -> list:
+                          intra_scratch: bool = True) -> list:
     """``(name, shape, dtype)`` of ``chunk.forward.forward_slots`` for n rows, in its order."""
     f32, C = torch.float32, CHUNK64
     slots = [("gc", (n, HV, C, K), f32), ("bt", (n, HV, C), f32), ("rq", (n, H, C), f32), ("rk", (n, H, C), f32)]
-    if pairs:
-        slots.append(("aqk", (n, HV, C, C), dtype))
     if intra_scratch:
         slots.append(("akk_d", (n, HV, C, 16), f32))
-    if pairs:
-        slots.append(("tinv", (n, HV, C, C), dtype))
     slots += [("w", (n, HV, C, K), dtype), ("qg", (n, HV, C, K), dtype), ("kd", (n, HV, C, K), dtype),
               ("u", (n, HV, C, V), dtype)]
     return slots + [("h", (n, HV, K, V), dtype)] if states else slots
@@ -109,19 +113,20 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
       ``seq_rows`` int32 ``[windows, N, 2]``), built by a call's first step and kept by the plan cache across
       calls, so they are live through every step (allocated first here, never freed);
     * forward (``chunk_fwd``): o; the fp32 state carry (zeros, or the initial state's fp32 copy: a bf16 state
-      goes through an fp32 cast first); ``chunk64``: the fp32 checkpoints ``[windows, N, HV, K, V]`` and aqk,
-      tinv of every chunk (saved: ``ctx.kept``), then the other slots of the largest group of windows
-      (``chunk64_forward_groups``; no per-chunk states; freed at return); ``chunk64_fast``: the slots of every
-      chunk (saved: the backward reads them, ``ctx.kept``). The carry is the final state when one is returned,
-      else freed;
-    * backward (``chunk_bwd``): dq, dk, dg, dv, dbeta; ``chunk64``: the forward slots again but the pairs and
-      akk_d (one window: the backward reads the saved aqk, tinv and runs no intra stage); the
+      goes through an fp32 cast first); ``chunk64``: the fp32 checkpoints ``[windows, N, HV, K, V]``; both: aqk,
+      tinv of every chunk in token layout (saved: ``ctx.kept``), in the buffer that the backward returns as dg
+      when a dg row holds a token's pair rows (``pairs_in_gradient``), else ``[B, T, HV, 2C]`` of their own;
+      then ``chunk64``: the other slots of the largest group of windows (``chunk64_forward_groups``; no per-chunk
+      states; freed at return); ``chunk64_fast``: the slots of every chunk (saved: the backward reads them).
+      The carry is the final state when one is returned, else freed;
+    * backward (``chunk_bwd``): dq, dk, dg (unless the pairs' buffer is it), dv, dbeta; ``chunk64``: the forward
+      slots again but akk_d (one window: the backward reads the saved aqk, tinv and runs no intra stage); the
       backward slots (one window); with the gate's parameters their per-chunk partials for every chunk of the
       call (fp32 ``[chunks, HV]`` and ``[chunks, HV, K]``); the fp32 dS carry (which is dh0; the recomputing walk
       starts from each window's checkpoint in place); after the last window dA_log ``[HV]`` and ddt_bias
-      ``[HV, K]``, the partials' sums; at return the slots, partials and carries go, then the kept slots
-      (``ctx.kept = None``), then dh0's cast to a bf16 initial state's dtype; the saved tensors are released
-      after the backward returns.
+      ``[HV, K]``, the partials' sums; at return the slots, partials and carries go, then the kept slots and
+      pairs of their own (``ctx.kept = None``), then dh0's cast to a bf16 initial state's dtype; the saved
+      tensors are released after the backward returns.
 
     dq and dk come out of the finishing kernel already summed over a GVA group (no per-value-head partials
     beyond the window's dqh / dkh slots)."""
@@ -143,12 +148,14 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
         add(carry, state, f32, carry_group, "forward")
     if not keep:
         add("checkpoints", (n_windows,) + state, f32, "state checkpoints", "saved")
-        for name in ("aqk", "tinv"):
-            add("saved_" + name, (n_rows, HV, CHUNK64, CHUNK64), dtype, "saved forward activations", "saved")
-    fwd_slots = ["fwd_" + name for name, _, _ in chunk64_forward_slots(0, H, HV, K, V, dtype, states=keep,
-                                                                         pairs=keep)]
-    for name, shape, dt in chunk64_forward_slots(n_rows if keep else forward_slots, H, HV, K, V, dtype, states=keep,
-                                                 pairs=keep):
+    # the pairs (aqk, tinv) of every chunk in token layout: in the buffer that becomes dg when they fit
+    in_dg = pairs_in_gradient(K, dtype, g_dtype)
+    if in_dg:
+        add("dg", (B, T, HV, K), g_dtype, "gradient outputs", "saved")
+    else:
+        add("saved_pairs", (B, T, HV, PAIR_WIDTH), dtype, "saved forward activations", "saved")
+    fwd_slots = ["fwd_" + name for name, _, _ in chunk64_forward_slots(0, H, HV, K, V, dtype, states=keep)]
+    for name, shape, dt in chunk64_forward_slots(n_rows if keep else forward_slots, H, HV, K, V, dtype, states=keep):
         if keep:
             add("fwd_" + name, shape, dt, "saved forward activations", "saved")
         else:
@@ -163,12 +170,14 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
         add("d_final_state", state, f32, "inputs/dO/O", "backward")
 
     # backward
-    for name, shape, dt in (("dq", (B, T, H, K), dtype), ("dk", (B, T, H, K), dtype), ("dg", (B, T, HV, K), g_dtype),
-                            ("dv", (B, T, HV, V), dtype), ("dbeta", (B, T, HV), dtype)):
-        add(name, shape, dt, "gradient outputs", "backward")
+    grads = [("dq", (B, T, H, K), dtype), ("dk", (B, T, H, K), dtype), ("dg", (B, T, HV, K), g_dtype),
+             ("dv", (B, T, HV, V), dtype), ("dbeta", (B, T, HV), dtype)]
+    for name, shape, dt in grads:
+        if not (in_dg and name == "dg"):
+            add(name, shape, dt, "gradient outputs", "backward")
     scratch = []
     if not keep:
-        for name, shape, dt in chunk64_forward_slots(max_slots, H, HV, K, V, dtype, pairs=False, intra_scratch=False):
+        for name, shape, dt in chunk64_forward_slots(max_slots, H, HV, K, V, dtype, intra_scratch=False):
             add("bwd_" + name, shape, dt, "recompute intermediates", "backward")
             scratch.append("bwd_" + name)
     for name, shape, dt in chunk64_backward_slots(max_slots, HV, K, V, dtype):
@@ -191,7 +200,10 @@ def chunk64_step(add, free, events, *, pipeline, B, T, H, HV, K, V, N, dtype, g_
         add("ddt_bias", (HV, K), f32, "gradient outputs", "backward")
     events.append(("mark", "backward kernels"))
     free(*scratch)
-    free(*(fwd_slots if keep else ("saved_aqk", "saved_tinv")))
+    if keep:
+        free(*fwd_slots)
+    if not in_dg:
+        free("saved_pairs")
     if h0_cast:
         add("d_initial_state", state, initial_state_dtype, "gradient outputs", "backward")
         events.append(("mark", "initial-state gradient cast"))

@@ -38,14 +38,18 @@ def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, c
               initial_state, saved: dict, keep: bool):
     """-> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0): input dtypes; dA_log / ddt_bias fp32 (None without the
     in-kernel gate's parameters); dh0 fp32 in the call's layout (None without an initial state). ``saved``: the
-    forward's whole-call slots ``chunk_fwd`` returned: with ``keep`` every slot, read instead of recomputing each
-    window's; else aqk and tinv, and a window recomputes prep, wu and its states."""
+    forward's ``chunk_fwd`` returned: aqk, tinv (token layout) and the dg buffer they live in (or None); with
+    ``keep`` every slot of the whole call too, read instead of recomputing each window's; else a window recomputes
+    prep, wu and its states."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dev = q.device
-    dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    # the forward's pairs may live in dg's rows (forward.pair_rows): each window's are read before its rows are
+    dg = saved["dg"] if saved["dg"] is not None else torch.empty_like(g)
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
-    s = None if keep else forward_slots(plan.max_slots, H, HV, K, V, q.dtype, dev, pairs=False, intra_scratch=False)
+    pairs = saved["aqk"], saved["tinv"]
+    s = None if keep else forward_slots(plan.max_slots, H, HV, K, V, q.dtype, dev, intra_scratch=False)
     b = backward_slots(plan.max_slots, HV, K, V, q.dtype, dev)
     # the gate parameters' per-chunk partials for the whole call, summed once after the last window
     n_rows = plan.table.shape[0]
@@ -61,11 +65,11 @@ def chunk_bwd(q, k, v, g, beta, do, dht, *, opts: KDAOptions, plan: ChunkPlan, c
             continue
         rows, n = plan.table[r0:r1], r1 - r0
         if keep:
-            x = {name: t[r0:r1] for name, t in saved.items()}
+            x = {name: t[r0:r1] for name, t in saved.items() if name not in ("aqk", "tinv", "dg")}
+            x["aqk"], x["tinv"] = pairs
         else:
-            x = {name: t[:n] for name, t in s.items()}
-            x.update({name: t[r0:r1] for name, t in saved.items()})
-            x = window_intermediates(opts, rows, x, q, k, v, g, beta, A_log, dt_bias, intra=False, launch=launch)
+            x = window_intermediates(opts, rows, s, pairs, q, k, v, g, beta, A_log, dt_bias, intra=False,
+                                     launch=launch)
             # the window's states from its checkpoint, which stays as it is (store_carry=False)
             run_walk_fwd(opts, rows, plan.seq_rows[w:w + 1], x["w"], x["u"], x["qg"], x["kd"], x["aqk"], x["gc"],
                          checkpoints[w], x["h"], None, row0=r0, store_carry=False, launch=launch)

@@ -3,9 +3,9 @@ stages (prep, intra, wu) in parallel over the window's chunks and value heads, t
 carries each sequence's state from window to window and writes o.
 
 Saved for the backward: the state entering every window (``checkpoints``, fp32 ``[n_windows, N, HV, K, V]``)
-and the intra stage's outputs for every chunk (aqk and tinv, ``[n, HV, C, C]`` in the token dtype: 256 bytes a
-token and value head); the backward recomputes the rest of a window's intermediates (prep, wu, the states) from
-them. The forward runs its state-independent stages once per group of consecutive windows
+and the intra stage's outputs for every chunk (aqk and tinv in token layout, ``[B, T, HV, C]`` each in the token
+dtype: 256 bytes a token and value head at 16 bits, held in g's gradient rows where they fit, ``pair_rows``);
+the backward recomputes the rest of a window's intermediates (prep, wu, the states) from them. The forward runs its state-independent stages once per group of consecutive windows
 (``ChunkPlan.forward_groups``: as many as fit in the memory the backward's scratch and gradients will need
 anyway), then walks the group's windows in one launch, which also writes their checkpoints; its other scratch
 (the slot tensors) is sized by the largest group and reused by every group. With ``keep=True`` (the plan's fast
@@ -23,17 +23,35 @@ from kdakit.ops.kda.chunk.prep import run_prep, run_wu
 from kdakit.ops.kda.chunk.tiles import CHUNK, SUB
 from kdakit.ops.kda.chunk.walk import run_walk_fwd
 from kdakit.ops.kda.options import KDAOptions
+from kdakit.ops.kda.plan_chunk64 import PAIR_WIDTH, pairs_in_gradient
 
 
-PAIRS = ("aqk", "tinv")  # the pairwise matrices: the recomputing forward keeps them for the whole call
+def pair_rows(g: torch.Tensor, dtype: torch.dtype, in_gradient: bool) -> tuple:
+    """aqk and tinv of every chunk of the call in token layout -> ``(aqk, tinv, dg)``: two views of one
+    ``[B, T, HV, 2C]`` tensor in the token dtype, row t holding token t's row of its chunk's Aqk (columns
+    ``[0, C)``) and Tinv (``[C, 2C)``); rows of a chunk beyond its length are not stored.
+
+    ``in_gradient`` (a backward will come): when g's gradient rows are wide enough (``K * g.itemsize >= 2C *
+    itemsize``: bf16 g or an fp32 log-decay at K = 128), the pair tensor is a view of the buffer that the
+    backward returns as dg (``dg``, else None). The backward runs last window first and writes a window's dg rows
+    only in its finishing kernel, after the window's last read of its pairs, so every pair is read before its
+    memory is overwritten, and the pairs cost no memory beyond the gradients at the backward's peak."""
+    B, T, HV, K = g.shape
+    width = PAIR_WIDTH
+    if in_gradient and pairs_in_gradient(K, dtype, g.dtype):
+        dg = torch.empty(B, T, HV, K, dtype=g.dtype, device=g.device)
+        pairs = dg.view(dtype)[..., :width]
+    else:
+        dg, pairs = None, torch.empty(B, T, HV, width, dtype=dtype, device=g.device)
+    return pairs[..., :CHUNK], pairs[..., CHUNK:], dg
 
 
 def forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, device, states: bool = True,
-                  pairs: bool = True, intra_scratch: bool = True) -> dict:
+                  intra_scratch: bool = True) -> dict:
     """The forward's slot tensors for n chunks (docs/chunk_pipeline.md, "Slot tensors"); ``states``: with the
     per-chunk states ``h``, which only a backward reads (the recomputing forward's walk stores no states);
-    ``pairs``: with aqk and tinv (``PAIRS``; the recomputing pipeline holds them for the whole call instead);
-    ``intra_scratch``: with akk_d, which only the intra stage uses (a backward that reads kept pairs has none)."""
+    ``intra_scratch``: with akk_d, which only the intra stage uses (a backward that reads kept pairs has none).
+    The pairs (aqk, tinv) are not slots: ``pair_rows`` holds them for the whole call."""
     f32 = torch.float32
     slots = dict(
         gc=torch.empty(n, HV, CHUNK, K, dtype=f32, device=device),
@@ -41,12 +59,8 @@ def forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, d
         rq=torch.empty(n, H, CHUNK, dtype=f32, device=device),
         rk=torch.empty(n, H, CHUNK, dtype=f32, device=device),
     )
-    if pairs:
-        slots["aqk"] = torch.empty(n, HV, CHUNK, CHUNK, dtype=dtype, device=device)
     if intra_scratch:
         slots["akk_d"] = torch.empty(n, HV, CHUNK, SUB, dtype=f32, device=device)
-    if pairs:
-        slots["tinv"] = torch.empty(n, HV, CHUNK, CHUNK, dtype=dtype, device=device)
     slots.update(
         w=torch.empty(n, HV, CHUNK, K, dtype=dtype, device=device),
         qg=torch.empty(n, HV, CHUNK, K, dtype=dtype, device=device),
@@ -58,18 +72,15 @@ def forward_slots(n: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, d
     return slots
 
 
-def pair_slots(n: int, HV: int, dtype: torch.dtype, device) -> dict:
-    """aqk and tinv ``[n, HV, C, C]`` in the token dtype for every chunk of the call (``PAIRS``)."""
-    return {name: torch.empty(n, HV, CHUNK, CHUNK, dtype=dtype, device=device) for name in PAIRS}
-
-
-def window_intermediates(opts: KDAOptions, rows: torch.Tensor, s: dict, q, k, v, g, beta, A_log, dt_bias,
-                         intra: bool = True, launch=None) -> dict:
-    """prep, intra and wu of the chunk table's ``rows`` into the first ``len(rows)`` slots of ``s``; returns those
-    slot views. ``intra`` False: aqk and tinv are already in ``s`` (kept by the forward), only prep and wu run.
-    ``launch``: the plan's launch overrides."""
+def window_intermediates(opts: KDAOptions, rows: torch.Tensor, s: dict, pairs: tuple, q, k, v, g, beta, A_log,
+                         dt_bias, intra: bool = True, launch=None) -> dict:
+    """prep, intra and wu of the chunk table's ``rows`` into the first ``len(rows)`` slots of ``s`` and the
+    rows' tokens of ``pairs`` (aqk, tinv: ``pair_rows``); returns those slot views and the pairs. ``intra`` False:
+    aqk and tinv already hold the rows' pairs (kept by the forward), only prep and wu run. ``launch``: the
+    plan's launch overrides."""
     n = rows.shape[0]
     x = {name: t[:n] for name, t in s.items()}
+    x["aqk"], x["tinv"] = pairs
     run_prep(opts, rows, q, k, g, beta, A_log, dt_bias, x["gc"], x["bt"], x["rq"], x["rk"], launch=launch)
     if intra:
         run_intra(opts, rows, q, k, x["gc"], x["bt"], x["rq"], x["rk"], x["aqk"], x["akk_d"], x["tinv"], launch=launch)
@@ -89,9 +100,9 @@ def state_carry(initial_state, N: int, HV: int, K: int, V: int, v_first: bool, d
 def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_bias, initial_state,
               keep: bool = False, save: bool = True):
     """-> (o ``[B, T, HV, V]`` in v's dtype, final state fp32 in the call's layout or None, the checkpoints (None
-    when ``keep``), the slots the backward reads: with ``keep`` every slot of the whole call, else aqk and tinv
-    of the whole call (``pair_slots``); None when ``save`` is False, i.e. no backward will come, and then aqk and
-    tinv are group slots like the others)."""
+    when ``keep``), what the backward reads: a dict with the whole call's ``aqk`` and ``tinv`` (``pair_rows``),
+    ``dg`` (the buffer they live in when it is g's gradient, else None) and, with ``keep``, every slot of the
+    whole call; None when ``save`` is False, i.e. no backward will come)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
@@ -99,27 +110,28 @@ def chunk_fwd(q, k, v, g, beta, *, opts: KDAOptions, plan: ChunkPlan, A_log, dt_
     # kept slots: the backward reads them, so it needs no checkpoints, and every stage runs once over every chunk
     checkpoints = None if keep else torch.empty(plan.n_windows, *carry.shape, dtype=torch.float32, device=q.device)
     n_rows = plan.table.shape[0]
-    pairs = pair_slots(n_rows, HV, q.dtype, q.device) if save and not keep else None
-    s = forward_slots(n_rows if keep else plan.forward_slots, H, HV, K, V, q.dtype, q.device, states=keep,
-                      pairs=pairs is None)
+    aqk, tinv, dg = pair_rows(g, q.dtype, in_gradient=save)
+    s = forward_slots(n_rows if keep else plan.forward_slots, H, HV, K, V, q.dtype, q.device, states=keep)
     if keep and n_rows:
-        window_intermediates(opts, plan.table, s, q, k, v, g, beta, A_log, dt_bias, launch=plan.launch)
+        window_intermediates(opts, plan.table, s, (aqk, tinv), q, k, v, g, beta, A_log, dt_bias, launch=plan.launch)
     groups = ((0, plan.n_windows),) if keep else plan.forward_groups
     for w0, w1 in groups:
         g0, g1 = plan.window_rows[w0][0], plan.window_rows[w1 - 1][1]
         base = 0 if keep else g0
         x = {name: t[:g1 - base] for name, t in s.items()}
-        if not keep:
-            if pairs is not None:  # the group's own rows of the whole-call pairs
-                x.update({name: t[g0:g1] for name, t in pairs.items()})
-            if g1 > g0:
-                # the group's state-independent stages in one launch each, into slots 0 .. g1 - g0
-                window_intermediates(opts, plan.table[g0:g1], x, q, k, v, g, beta, A_log, dt_bias, launch=plan.launch)
+        if not keep and g1 > g0:
+            # the group's state-independent stages in one launch each, into slots 0 .. g1 - g0
+            window_intermediates(opts, plan.table[g0:g1], x, (aqk, tinv), q, k, v, g, beta, A_log, dt_bias,
+                                 launch=plan.launch)
         # one walk over the group's windows, writing the state entering each window into its checkpoint
-        run_walk_fwd(opts, plan.table[base:g1], plan.seq_rows[w0:w1], x["w"], x["u"], x["qg"], x["kd"], x["aqk"],
+        run_walk_fwd(opts, plan.table[base:g1], plan.seq_rows[w0:w1], x["w"], x["u"], x["qg"], x["kd"], aqk,
                      x["gc"], carry, x.get("h"), o, row0=base,
                      checkpoints=checkpoints[w0:w1] if checkpoints is not None else None, launch=plan.launch)
     final = None
     if opts.output_final_state:
         final = carry.transpose(-1, -2).contiguous() if opts.state_v_first else carry
-    return o, final, checkpoints, (s if keep else pairs)
+    saved = None
+    if save:
+        saved = dict(s) if keep else {}
+        saved.update(aqk=aqk, tinv=tinv, dg=dg)
+    return o, final, checkpoints, saved

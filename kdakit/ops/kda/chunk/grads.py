@@ -32,7 +32,8 @@ Products (chunk_bwd_common.grad_operands): bf16 inputs take bf16 operands rounde
 accumulation (emulated by rounding fp32 tiles under the interpreter), fp16 and fp32 inputs fp32 operands at 3xTF32
 ("ieee" under the interpreter).
 
-Layouts: k ``[B, T, H, K]``; v, do, dv ``[B, T, HV, V]`` through their strides (unit last stride); slots
+Layouts: k ``[B, T, H, K]``; v, do, dv ``[B, T, HV, V]`` and tinv ``[B, T, HV, C]`` (token layout: row r of a
+chunk's Tinv at its token t0 + r, rows < L) through their strides (unit last stride); slots
 contiguous, indexed by the program's table row (``[n, HV, C, K]`` etc.; ``rk`` ``[n, H, C]``). K, V <= 128
 (any size: blocks are masked). Offsets that scale with T or the window are int64. q, rq and w belong to the
 stage's signature but are not read: dq̂'s state term needs exp(G) only, and Y is formed from k (validated only).
@@ -46,6 +47,7 @@ import triton.language as tl
 
 from kdakit.ops.kda.chunk.tiles import (
     CHUNK,
+    check_pairs,
     check_token_strides,
     chunk_row,
     launch_values,
@@ -89,7 +91,7 @@ def _mm(a, b, GRAD_OP: tl.constexpr, GRAD_PREC: tl.constexpr):
 @triton.jit
 def chunk_grads_wy_kernel(
     table, k, do, gc, bt, rk, tinv, qg, kd, u, dvs, h, dh, dqh, dkh, dgs, dgc,
-    s_kb, s_kt, s_kh, s_ob, s_ot, s_oh, scale, H, HV,
+    s_kb, s_kt, s_kh, s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, scale, H, HV,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GRAD_OP: tl.constexpr, GRAD_PREC: tl.constexpr,
 ):
@@ -139,7 +141,8 @@ def chunk_grads_wy_kernel(
     tl.store(dgc + slot * K + cols, tl.sum(dkdkd, axis=0) + tl.exp(gC) * sds, mask=cmask)
     dg -= dkdkd
     dk = dkd * tl.exp(gC[None, :] - G)  # [C, BK]
-    ti = load_tile(tinv + slot * (C * C), L, C, 0, C, C, C)  # [C, C] Tinv (padded rows 0; 0 above the diagonal)
+    # [C, C] Tinv from its token rows (padded rows 0; 0 above the diagonal)
+    ti = load_tile(token_base(tinv, b, t0, hv, s_pb, s_pt, s_ph), L, s_pt, 0, C, C, C)
     dY = -_mm(tl.trans(ti), mdW, GRAD_OP, GRAD_PREC)  # [C, BK] Tinv^T dW
     rkr = tl.load(rk + (i.to(tl.int64) * H + hk) * C + rows, mask=rows < L, other=0.0)  # [C]
     k_base = token_base(k, b, t0, hk, s_kb, s_kt, s_kh)
@@ -152,7 +155,7 @@ def chunk_grads_wy_kernel(
 @triton.jit
 def chunk_grads_wy_dv_kernel(
     table, k, v, gc, bt, rk, tinv, dvs, h, dv, dbs, dakk,
-    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_db, s_dt, s_dh, H, HV,
+    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_db, s_dt, s_dh, s_pb, s_pt, s_ph, H, HV,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GRAD_OP: tl.constexpr, GRAD_PREC: tl.constexpr,
 ):
@@ -168,7 +171,7 @@ def chunk_grads_wy_dv_kernel(
     gc_base = gc + slot * (C * K)
     h_base = h + slot * (K * V)
     dvs_base = dvs + slot * (C * V)
-    tinv_base = tinv + slot * (C * C)
+    tinv_base = token_base(tinv, b, t0, hv, s_pb, s_pt, s_ph)
     rows = tl.arange(0, C)
     beta = tl.load(bt + slot * C + rows, mask=rows < L, other=0.0)  # [C]
     rkr = tl.load(rk + (i.to(tl.int64) * H + hk) * C + rows, mask=rows < L, other=0.0)  # [C]
@@ -183,12 +186,12 @@ def chunk_grads_wy_dv_kernel(
         N += _mm(load_tile(dvs_base, L, V, v0, V, C, BV), tl.trans(r), GRAD_OP, GRAD_PREC)  # [C, C]
     # ---- dv = β Tinv^T dV'
     for v0 in range(0, V, BV):
-        ti = load_tile(tinv_base, L, C, 0, C, C, C)  # [C, C]
+        ti = load_tile(tinv_base, L, s_pt, 0, C, C, C)  # [C, C]
         dZ = _mm(tl.trans(ti), load_tile(dvs_base, L, V, v0, V, C, BV), GRAD_OP, GRAD_PREC)  # [C, BV]
         store_tile(dv_base, dZ * beta[:, None], L, s_dt, v0, V, C, BV)
 
     # ---- dbs_r = Σ_i Tinv_ir N_ir;  dT = N diag(β);  dA = -(Tinv^T dT Tinv^T), strictly lower
-    ti = load_tile(tinv_base, L, C, 0, C, C, C)  # [C, C]
+    ti = load_tile(tinv_base, L, s_pt, 0, C, C, C)  # [C, C]
     tl.store(dbs + slot * C + rows, tl.sum(ti.to(tl.float32) * N, axis=0))
     strict = rows[:, None] > rows[None, :]
     dT = tl.where(strict, N * beta[None, :], 0.0)  # only dT's strictly lower part reaches dA
@@ -260,13 +263,17 @@ def run_grads_wy(opts: KDAOptions, table, q, k, v, do, gc, bt, rq, rk, tinv, w, 
     f32 = torch.float32
     for name, x, shape, dt in (
         ("gc", gc, (n, HV, C, K), f32), ("bt", bt, (n, HV, C), f32), ("rq", rq, (n, H, C), f32),
-        ("rk", rk, (n, H, C), f32), ("tinv", tinv, (n, HV, C, C), dtype), ("w", w, (n, HV, C, K), dtype),
+        ("rk", rk, (n, H, C), f32), ("w", w, (n, HV, C, K), dtype),
         ("qg", qg, (n, HV, C, K), dtype), ("kd", kd, (n, HV, C, K), dtype), ("u", u, (n, HV, C, V), dtype),
         ("dvs", dvs, (n, HV, C, V), f32), ("h", h, (n, HV, K, V), dtype), ("dh", dh, (n, HV, K, V), dtype),
         ("dqh", dqh, (n, HV, C, K), f32), ("dkh", dkh, (n, HV, C, K), f32), ("dgs", dgs, (n, HV, C, K), f32),
         ("dgc", dgc, (n, HV, K), f32), ("dbs", dbs, (n, HV, C), f32), ("dakk", dakk, (n, HV, C, C), f32),
     ):
         _check_slot(name, x, shape, dt, device)
+    try:
+        sp = check_pairs(tinv, tinv, B, T, HV, dtype)
+    except (TypeError, ValueError) as e:  # check_pairs names its first tensor aqk: here it is tinv
+        raise type(e)(str(e).replace("aqk", "tinv")) from None
     if n == 0:
         return
     grad_op, grad_prec = grad_operands(dtype)
@@ -277,14 +284,14 @@ def run_grads_wy(opts: KDAOptions, table, q, k, v, do, gc, bt, rq, rk, tinv, w, 
     BK, BV = (min(x, block_size(d)) for x, d in zip(blocks[kind], (K, V)))
     chunk_grads_wy_kernel[(n * HV * triton.cdiv(K, BK),)](
         table, k, do, gc, bt, rk, tinv, qg, kd, u, dvs, h, dh, dqh, dkh, dgs, dgc,
-        *k.stride()[:3], *do.stride()[:3], float(opts.scale), H, HV,
+        *k.stride()[:3], *do.stride()[:3], *sp, float(opts.scale), H, HV,
         K=K, V=V, C=C, BK=BK, BV=BV, GRAD_OP=grad_op, GRAD_PREC=grad_prec,
         num_warps=warps, num_stages=stages,
     )
     BK, BV = (min(x, block_size(d)) for x, d in zip(dv_blocks[kind], (K, V)))
     chunk_grads_wy_dv_kernel[(n, HV)](
         table, k, v, gc, bt, rk, tinv, dvs, h, dv, dbs, dakk,
-        *k.stride()[:3], *v.stride()[:3], *dv.stride()[:3], H, HV,
+        *k.stride()[:3], *v.stride()[:3], *dv.stride()[:3], *sp, H, HV,
         K=K, V=V, C=C, BK=BK, BV=BV, GRAD_OP=grad_op, GRAD_PREC=grad_prec,
         num_warps=warps, num_stages=dv_stages[kind],
     )

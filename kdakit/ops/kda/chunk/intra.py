@@ -24,7 +24,7 @@ Three kernels, each with few live tiles (FLA's split of the same work):
   heads) runs the same check and exits at once unless one of its heads fails; then it forms row r of the
   diagonal blocks pair by pair, ``exp(G_r - G_j)`` for the <= 16 earlier tokens j of r's sub-chunk (never
   exp(-G) of a running sum), and stores each pair as it is formed: aqk's row r over the diagonal block's
-  columns (zeros right of the diagonal; all zeros on padded rows r >= L) and akk_d's row r
+  columns (zeros right of the diagonal; padded rows r >= L have no aqk row) and akk_d's row r
   (``Akk[r, 16 * (r // 16) + jj]``, 0 for jj >= r % 16).
 * ``chunk_intra_solve_kernel``, grid (n, HV), after both: the six blocks below the diagonal blocks of Aqk and
   Akk by [16, 16] tensor-core dots in one pass over the key channels, then Tinv. Block (I, J), I > J, takes the
@@ -34,11 +34,12 @@ Three kernels, each with few live tiles (FLA's split of the same work):
   diagonal blocks ``(I + diag(bt) Akk_II)^-1`` by forward substitution on akk_d's rows, the off-diagonal blocks
   by block substitution ``T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ`` (A = diag(bt) Akk) with fp32 dots. It stores
   aqk's blocks below and above the diagonal blocks (zeros above) and the whole of tinv (exact zeros above the
-  diagonal; padded rows are unit rows, bt being 0 there).
+  diagonal; padded rows are not stored).
 
 Layouts: q, k ``[B, T, H, K]`` token tensors read through their strides (unit last stride); slots (contiguous)
 gc fp32 ``[n, HV, C, K]`` (padded rows hold G[L-1]), bt fp32 ``[n, HV, C]``, rq, rk fp32 ``[n, H, C]``; outputs
-aqk, tinv ``[n, HV, C, C]`` in the token dtype; akk_d fp32 ``[n, HV, C, 16]``, the diagonal blocks of Akk from
+aqk, tinv ``[B, T, HV, C]`` in the token dtype, token layout: row r of a chunk's matrix at the chunk's token
+t0 + r, rows r < L only (two views of one pair tensor, ``chunk.forward.pair_rows``); akk_d fp32 ``[n, HV, C, 16]``, the diagonal blocks of Akk from
 the first two kernels to the solve kernel. Limits: K <= 128, HV a multiple of H.
 
 Products of 16-bit inputs use bf16 dot operands (fp16 too, for the exponent range); fp32 inputs use fp32
@@ -53,8 +54,8 @@ import triton
 import triton.language as tl
 
 from kdakit.ops.kda.backend import dot_precision, triton_interpreting
-from kdakit.ops.kda.chunk.tiles import (CHUNK, SUB, check_token_strides, chunk_row, dot_operand, launch_values,
-                                        token_base)
+from kdakit.ops.kda.chunk.tiles import (CHUNK, SUB, check_pairs, check_token_strides, chunk_row, dot_operand,
+                                        launch_values, token_base)
 from kdakit.ops.kda.chunk_common import block_size, load_row_scalars, round_to_bf16_if
 from kdakit.ops.kda.constants import CHUNK_MAX_HEAD_DIM
 
@@ -98,13 +99,14 @@ def _load_tile(base, ROW0: tl.constexpr, n_rows, stride_row, col0, n_cols, BR: t
 
 
 @triton.jit
-def _store_block(base, x, I: tl.constexpr, J: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
+def _store_block(base, x, I: tl.constexpr, J: tl.constexpr, stride_row, n_rows, SB: tl.constexpr,
                  ROUND: tl.constexpr):
-    """Block (I, J) ``[SB, SB]`` of a contiguous ``[C, C]`` slot, cast to its dtype (bf16 rounding emulated
-    under the interpreter when ROUND)."""
+    """Block (I, J) ``[SB, SB]`` of a chunk's ``[C, C]`` pair matrix stored in token layout (row r at
+    ``base + r * stride_row``), rows ``>= n_rows`` not stored, cast to its dtype (bf16 rounding emulated under the
+    interpreter when ROUND)."""
     r = tl.arange(0, SB)
-    ptrs = base + (SB * I + r)[:, None] * C + (SB * J + r)[None, :]
-    tl.store(ptrs, round_to_bf16_if(x, ROUND).to(base.dtype.element_ty))
+    ptrs = base + (SB * I + r)[:, None] * stride_row + (SB * J + r)[None, :]
+    tl.store(ptrs, round_to_bf16_if(x, ROUND).to(base.dtype.element_ty), mask=(SB * I + r < n_rows)[:, None])
 
 
 @triton.jit
@@ -134,7 +136,7 @@ def _substitution_row(d_base, bt_base, I: tl.constexpr, X, s, r, SB: tl.constexp
 @triton.jit
 def chunk_intra_diag_kernel(
     table, q, k, gc, rq, rk, aqk, akk_d, scale,
-    sqb, sqt, sqh, skb, skt, skh, H, HV,
+    sqb, sqt, sqh, skb, skt, skh, spb, spt, sph, H, HV,
     K: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
     ROUND: tl.constexpr,
 ):
@@ -157,7 +159,7 @@ def chunk_intra_diag_kernel(
     q_ptr = q + b * sqb + t0 * sqt + (h.to(tl.int64) * sqh)[:, None] + c[None, :]  # [BH, BK] at row 0
     k_ptr = k + b * skb + t0 * skt + (h.to(tl.int64) * skh)[:, None] + c[None, :]
     g_ptr = gc + (slot_h * (C * K))[:, None] + c[None, :]  # [BH, BK] at row 0
-    aqk_row = aqk + (slot_h * C + r) * C  # [BH] row r of each head's Aqk
+    aqk_row = aqk + b * spb + (t0 + r) * spt + hv.to(tl.int64) * sph  # [BH] row r of each head's Aqk (token r)
     akk_row = akk_d + (slot_h * C + r) * SB  # [BH] row r of each head's akk_d
 
     # the span check of r's sub-chunk per head (the solve kernel forms the passing ones by dots)
@@ -169,12 +171,12 @@ def chunk_intra_diag_kernel(
         return
     m_hk = m_h[:, None] & (c < K)[None, :]
 
-    # zeros: the diagonal block's row right of the diagonal (all of it on padded rows); the pairs below write
-    # the rest
+    # zeros: the diagonal block's row right of the diagonal (all of akk_d's row on padded rows, which have no
+    # aqk row); the pairs below write the rest
     jj = tl.arange(0, SB)
     first_zero = tl.where(live, r + 1, s0) - s0  # [] first zero column within the block
     tl.store(aqk_row[:, None] + (s0 + jj)[None, :], tl.zeros([BH, SB], dtype=aqk.dtype.element_ty),
-             mask=m_h[:, None] & (jj >= first_zero)[None, :])
+             mask=(m_h & live)[:, None] & (jj >= first_zero)[None, :])
     tl.store(akk_row[:, None] + jj[None, :], tl.zeros([BH, SB], dtype=tl.float32),
              mask=m_h[:, None] & (jj >= first_zero)[None, :])
 
@@ -206,7 +208,7 @@ def chunk_intra_diag_kernel(
 @triton.jit
 def chunk_intra_dots_kernel(
     table, q, k, gc, rq, rk, aqk, akk_d, scale,
-    sqb, sqt, sqh, skb, skt, skh, H, HV,
+    sqb, sqt, sqh, skb, skt, skh, spb, spt, sph, H, HV,
     K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
     OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, ROUND: tl.constexpr,
     SAFE: tl.constexpr,
@@ -222,8 +224,7 @@ def chunk_intra_dots_kernel(
     r0 = SB * I
     slot = i.to(tl.int64) * HV + hv
     a = tl.arange(0, SB)
-    if r0 >= L:  # a padded sub-chunk: zero blocks
-        _store_block(aqk + slot * (C * C), tl.zeros([SB, SB], dtype=tl.float32), I, I, C, SB, ROUND)
+    if r0 >= L:  # a padded sub-chunk: zero akk_d rows (aqk has no rows there)
         tl.store(akk_d + slot * (C * SB) + (r0 + a)[:, None] * SB + a[None, :], tl.zeros([SB, SB], dtype=tl.float32))
         return
     q_base = token_base(q, b, t0, h, sqb, sqt, sqh)
@@ -258,8 +259,8 @@ def chunk_intra_dots_kernel(
         y = dot_operand(tl.trans(k_i * eb), OP_BF16, EMULATE_BF16)  # [BK, SB]
         acc_q = tl.dot(x_q, y, acc=acc_q, input_precision=DOT_PREC)
         acc_k = tl.dot(x_k, y, acc=acc_k, input_precision=DOT_PREC)
-    aqk_base = aqk + slot * (C * C)
-    _store_block(aqk_base, tl.where(a[:, None] >= a[None, :], acc_q * scale, 0.0), I, I, C, SB, ROUND)
+    aqk_base = token_base(aqk, b, t0, hv, spb, spt, sph)
+    _store_block(aqk_base, tl.where(a[:, None] >= a[None, :], acc_q * scale, 0.0), I, I, spt, L, SB, ROUND)
     d_ptr = akk_d + slot * (C * SB) + rows[:, None] * SB + a[None, :]
     tl.store(d_ptr, tl.where(a[:, None] > a[None, :], acc_k, 0.0))
 
@@ -268,7 +269,7 @@ def chunk_intra_dots_kernel(
 @triton.jit
 def chunk_intra_solve_kernel(
     table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv, scale,
-    sqb, sqt, sqh, skb, skt, skh, H, HV,
+    sqb, sqt, sqh, skb, skt, skh, spb, spt, sph, H, HV,
     K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, SB: tl.constexpr,
     OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr,
     ROUND: tl.constexpr,
@@ -347,20 +348,20 @@ def chunk_intra_solve_kernel(
         q32 = tl.dot(xq, y, acc=q32, input_precision=DOT_PREC)
         k32 = tl.dot(xk, y, acc=k32, input_precision=DOT_PREC)
 
-    aqk_base = aqk + slot * (C * C)
+    aqk_base = token_base(aqk, b, t0, hv, spb, spt, sph)
     zero = tl.zeros([SB, SB], dtype=tl.float32)
-    _store_block(aqk_base, q10 * scale, 1, 0, C, SB, ROUND)
-    _store_block(aqk_base, q20 * scale, 2, 0, C, SB, ROUND)
-    _store_block(aqk_base, q21 * scale, 2, 1, C, SB, ROUND)
-    _store_block(aqk_base, q30 * scale, 3, 0, C, SB, ROUND)
-    _store_block(aqk_base, q31 * scale, 3, 1, C, SB, ROUND)
-    _store_block(aqk_base, q32 * scale, 3, 2, C, SB, ROUND)
-    _store_block(aqk_base, zero, 0, 1, C, SB, ROUND)
-    _store_block(aqk_base, zero, 0, 2, C, SB, ROUND)
-    _store_block(aqk_base, zero, 0, 3, C, SB, ROUND)
-    _store_block(aqk_base, zero, 1, 2, C, SB, ROUND)
-    _store_block(aqk_base, zero, 1, 3, C, SB, ROUND)
-    _store_block(aqk_base, zero, 2, 3, C, SB, ROUND)
+    _store_block(aqk_base, q10 * scale, 1, 0, spt, L, SB, ROUND)
+    _store_block(aqk_base, q20 * scale, 2, 0, spt, L, SB, ROUND)
+    _store_block(aqk_base, q21 * scale, 2, 1, spt, L, SB, ROUND)
+    _store_block(aqk_base, q30 * scale, 3, 0, spt, L, SB, ROUND)
+    _store_block(aqk_base, q31 * scale, 3, 1, spt, L, SB, ROUND)
+    _store_block(aqk_base, q32 * scale, 3, 2, spt, L, SB, ROUND)
+    _store_block(aqk_base, zero, 0, 1, spt, L, SB, ROUND)
+    _store_block(aqk_base, zero, 0, 2, spt, L, SB, ROUND)
+    _store_block(aqk_base, zero, 0, 3, spt, L, SB, ROUND)
+    _store_block(aqk_base, zero, 1, 2, spt, L, SB, ROUND)
+    _store_block(aqk_base, zero, 1, 3, spt, L, SB, ROUND)
+    _store_block(aqk_base, zero, 2, 3, spt, L, SB, ROUND)
 
     bt_base = bt + slot * C
     b1 = tl.load(bt_base + SB + r)[:, None]
@@ -397,23 +398,23 @@ def chunk_intra_solve_kernel(
                   input_precision=INV_PREC)
     t30 = -tl.dot(t33, tl.dot(a30, t00, input_precision=INV_PREC) + tl.dot(a31, t10, input_precision=INV_PREC)
                   + tl.dot(a32, t20, input_precision=INV_PREC), input_precision=INV_PREC)
-    t_base = tinv + slot * (C * C)
-    _store_block(t_base, t00, 0, 0, C, SB, ROUND)
-    _store_block(t_base, zero, 0, 1, C, SB, ROUND)
-    _store_block(t_base, zero, 0, 2, C, SB, ROUND)
-    _store_block(t_base, zero, 0, 3, C, SB, ROUND)
-    _store_block(t_base, t10, 1, 0, C, SB, ROUND)
-    _store_block(t_base, t11, 1, 1, C, SB, ROUND)
-    _store_block(t_base, zero, 1, 2, C, SB, ROUND)
-    _store_block(t_base, zero, 1, 3, C, SB, ROUND)
-    _store_block(t_base, t20, 2, 0, C, SB, ROUND)
-    _store_block(t_base, t21, 2, 1, C, SB, ROUND)
-    _store_block(t_base, t22, 2, 2, C, SB, ROUND)
-    _store_block(t_base, zero, 2, 3, C, SB, ROUND)
-    _store_block(t_base, t30, 3, 0, C, SB, ROUND)
-    _store_block(t_base, t31, 3, 1, C, SB, ROUND)
-    _store_block(t_base, t32, 3, 2, C, SB, ROUND)
-    _store_block(t_base, t33, 3, 3, C, SB, ROUND)
+    t_base = token_base(tinv, b, t0, hv, spb, spt, sph)
+    _store_block(t_base, t00, 0, 0, spt, L, SB, ROUND)
+    _store_block(t_base, zero, 0, 1, spt, L, SB, ROUND)
+    _store_block(t_base, zero, 0, 2, spt, L, SB, ROUND)
+    _store_block(t_base, zero, 0, 3, spt, L, SB, ROUND)
+    _store_block(t_base, t10, 1, 0, spt, L, SB, ROUND)
+    _store_block(t_base, t11, 1, 1, spt, L, SB, ROUND)
+    _store_block(t_base, zero, 1, 2, spt, L, SB, ROUND)
+    _store_block(t_base, zero, 1, 3, spt, L, SB, ROUND)
+    _store_block(t_base, t20, 2, 0, spt, L, SB, ROUND)
+    _store_block(t_base, t21, 2, 1, spt, L, SB, ROUND)
+    _store_block(t_base, t22, 2, 2, spt, L, SB, ROUND)
+    _store_block(t_base, zero, 2, 3, spt, L, SB, ROUND)
+    _store_block(t_base, t30, 3, 0, spt, L, SB, ROUND)
+    _store_block(t_base, t31, 3, 1, spt, L, SB, ROUND)
+    _store_block(t_base, t32, 3, 2, spt, L, SB, ROUND)
+    _store_block(t_base, t33, 3, 3, spt, L, SB, ROUND)
 
 
 # ---------------------------------------------------------------------------------------
@@ -435,7 +436,8 @@ def _check(name: str, x, shape: tuple, dtype: torch.dtype, device) -> None:
 
 
 def run_intra(opts, table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv, *, launch=None) -> None:
-    """Aqk, Tinv of the table's chunks into the caller's aqk, tinv (slot i = table row i); akk_d is the scratch
+    """Aqk, Tinv of the table's chunks into the caller's aqk, tinv (token layout ``[B, T, HV, C]``: each of a
+    chunk's rows < L at its token; ``tiles.check_pairs``); akk_d is the scratch
     that carries Akk's diagonal blocks from the diagonal kernels to the solve kernel (every row written).
     ``opts.safe``: the gate is >= -5 per token, every diagonal block is formed by dots."""
     for name, x in (("q", q), ("k", k), ("table", table)):
@@ -464,14 +466,15 @@ def run_intra(opts, table, q, k, gc, bt, rq, rk, aqk, akk_d, tinv, *, launch=Non
     _check("bt", bt, (n, HV, C), torch.float32, dev)
     _check("rq", rq, (n, H, C), torch.float32, dev)
     _check("rk", rk, (n, H, C), torch.float32, dev)
-    _check("aqk", aqk, (n, HV, C, C), q.dtype, dev)
+    pair_strides = check_pairs(aqk, tinv, q.shape[0], q.shape[1], HV, q.dtype)
+    if aqk.device != dev:
+        raise ValueError(f"aqk must be on {dev}, got {aqk.device}")
     _check("akk_d", akk_d, (n, HV, C, SUB), torch.float32, dev)
-    _check("tinv", tinv, (n, HV, C, C), q.dtype, dev)
     if n == 0 or HV == 0:
         return
     interp = triton_interpreting()
     op_bf16 = q.dtype != torch.float32
-    strides = (*q.stride()[:3], *k.stride()[:3])
+    strides = (*q.stride()[:3], *k.stride()[:3], *pair_strides)
     BK = block_size(K)
     round_out = interp and q.dtype == torch.bfloat16
     safe = bool(opts.safe)

@@ -11,7 +11,7 @@ Per chunk row i = (n, b, t0, L) of the chunk table and value head hv (q/k head h
     W  = Tinv diag(beta) (k^ * exp(G))    U  = Tinv diag(beta) v         -> w, u   token dtype [C, K], [C, V]
     qg = q^ * exp(G)                      kd = k^ * exp(g_C - G)         -> qg, kd token dtype [C, K]
 
-with q^ = rq q, k^ = rk k, g_C = G[C-1] and Tinv the ``tinv`` slot. Token tensors are read through their strides
+with q^ = rq q, k^ = rk k, g_C = G[C-1] and Tinv from ``tinv`` (token layout ``[B, T, HV, C]``, rows < L). Token tensors are read through their strides
 (q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]); slot tensors are contiguous and indexed
 by the program's table row. K, V <= 128; columns beyond K / V are masked. The W and U products take bf16
 operands for 16-bit inputs (fp16 too: exponent range) and fp32 ones (``dot_precision``) for fp32 inputs; under
@@ -29,6 +29,7 @@ from kdakit.ops.kda.backend import dot_precision, triton_interpreting
 from kdakit.ops.kda.chunk.tiles import (
     CHUNK,
     as_stored,
+    check_pairs,
     check_slot,
     check_table,
     check_token,
@@ -131,7 +132,7 @@ def chunk_prep_kernel(
 @triton.jit
 def chunk_wu_kernel(
     table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd,
-    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_pb, s_pt, s_ph,
     H,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GROUP: tl.constexpr, OP_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -149,8 +150,9 @@ def chunk_wu_kernel(
     beta = tl.load(bt + slot * C + r)  # [C]
     scale_q = tl.load(rq + qk_slot + r)  # [C]
     scale_k = tl.load(rk + qk_slot + r)
-    Ti = dot_operand(tl.load(tinv + slot * (C * C) + r[:, None] * C + r[None, :]).to(tl.float32),
-                     OP_BF16, EMULATE_BF16)  # [C, C]
+    # [C, C] Tinv, rows r < L at their tokens (padded rows 0: the products below are 0 there either way)
+    Ti = dot_operand(load_rows(token_base(tinv, b, t0, hv, s_pb, s_pt, s_ph), zero, L, s_pt, 0, C, C, C),
+                     OP_BF16, EMULATE_BF16)
 
     q_base = token_base(q, b, t0, h, s_qb, s_qt, s_qh)
     k_base = token_base(k, b, t0, h, s_kb, s_kt, s_kh)
@@ -227,7 +229,10 @@ def run_wu(opts: KDAOptions, table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd,
     check_slot("bt", bt, (n, HV, CHUNK), f32)
     check_slot("rq", rq, (n, H, CHUNK), f32)
     check_slot("rk", rk, (n, H, CHUNK), f32)
-    check_slot("tinv", tinv, (n, HV, CHUNK, CHUNK), dt)
+    try:
+        pair_strides = check_pairs(tinv, tinv, B, T, HV, dt)
+    except (TypeError, ValueError) as e:  # check_pairs names its first tensor aqk: here it is tinv
+        raise type(e)(str(e).replace("aqk", "tinv")) from None
     check_slot("w", w, (n, HV, CHUNK, K), dt)
     check_slot("u", u, (n, HV, CHUNK, V), dt)
     check_slot("qg", qg, (n, HV, CHUNK, K), dt)
@@ -238,7 +243,7 @@ def run_wu(opts: KDAOptions, table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd,
     block, warps = launch_values(launch, WU_CONFIG=WU_CONFIG)[0]["bf16" if op_bf16 else "fp32"]
     chunk_wu_kernel[(n, HV)](
         table, q, k, v, gc, bt, rq, rk, tinv, w, u, qg, kd,
-        *token_strides(q), *token_strides(k), *token_strides(v),
+        *token_strides(q), *token_strides(k), *token_strides(v), *pair_strides,
         H,
         HV=HV, K=K, V=V, C=CHUNK, BK=min(block, block_size(K)), BV=min(block, block_size(V)),
         GROUP=group,

@@ -143,6 +143,26 @@ def check_slot(name: str, x, shape: tuple, dtype) -> None:
                          f"with strides {tuple(x.stride())}")
 
 
+def check_pairs(aqk, tinv, B: int | None, T: int | None, HV: int, dtype) -> tuple[int, int, int]:
+    """aqk and tinv, the chunks' pair matrices in token layout: ``[B, T, HV, C]`` each in the token dtype, row t
+    holding token t's row of its chunk's matrix (``chunk.forward.pair_rows``: two views of one tensor), unit last
+    stride and the same strides; returns their (batch, token, head) element strides. B, T None: any."""
+    for name, x in (("aqk", aqk), ("tinv", tinv)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
+        want = (B if B is not None else x.shape[0] if x.dim() == 4 else -1,
+                T if T is not None else x.shape[1] if x.dim() == 4 else -1, HV, CHUNK)
+        if tuple(x.shape) != want or x.stride(-1) != 1:
+            raise ValueError(f"{name} must be a [B, T, HV, {CHUNK}] token-layout tensor of shape {want} with a unit "
+                             f"last stride, got {tuple(x.shape)} with strides {tuple(x.stride())}")
+    if aqk.stride() != tinv.stride() or aqk.device != tinv.device:
+        raise ValueError(f"aqk and tinv must be views of one pair tensor with the same strides, got "
+                         f"{tuple(aqk.stride())} and {tuple(tinv.stride())}")
+    return token_strides(aqk)
+
+
 def gate_params(opts: KDAOptions, A_log, dt_bias, HV: int, K: int):
     """The flat gate parameters the options use (contiguous ``[HV]`` / ``[HV * K]``), None for the unused ones."""
     out = []

@@ -25,9 +25,10 @@ Kernels:
   fp32 ``daqk`` slot, Aqk^T dO into the fp32 ``dvs`` slot.
 
 Layouts: slot tensors are contiguous and indexed by the window's slot (= table row) s: w, qg, kd ``[n, HV, C, K]``,
-u ``[n, HV, C, V]``, aqk ``[n, HV, C, C]`` (token dtype), gc ``[n, HV, C, K]`` fp32, h, dh ``[n, HV, K, V]``
+u ``[n, HV, C, V]``, gc ``[n, HV, C, K]`` fp32, h, dh ``[n, HV, K, V]``
 (token dtype), dvs ``[n, HV, C, V]`` and daqk ``[n, HV, C, C]`` fp32; carry ``[N, HV, K, V]`` fp32. o and do
-``[B, T, HV, V]`` are read through their strides at the table row's ``(b, t0)``.
+``[B, T, HV, V]`` are read through their strides at the table row's ``(b, t0)``, and so is aqk ``[B, T, HV, C]``
+(token dtype, token layout: row r of a chunk's Aqk at its token t0 + r, rows < L; ``tiles.check_pairs``).
 
 Padded rows (r >= L) of the slots are never read: the row-indexed tiles load as 0 there, aqk loads with its
 upper triangle masked, and g_C is the gc row L - 1. So V' (over u), dvs, dV' and daqk hold 0 on padded rows.
@@ -50,6 +51,7 @@ from kdakit.ops.kda.backend import dot_precision, triton_interpreting
 from kdakit.ops.kda.chunk.tiles import (
     CHUNK,
     as_stored,
+    check_pairs,
     check_slot,
     check_token_strides,
     chunk_row,
@@ -145,6 +147,7 @@ def _decay_row(gc_slot, L, K, BK: tl.constexpr):
 
 @triton.jit
 def _walk_fwd_step(S, s, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, s_ob, s_ot, s_oh,
+                   s_pb, s_pt, s_ph,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    STORE_O: tl.constexpr, STORE_STATES: tl.constexpr, OP_BF16: tl.constexpr, EMULATE: tl.constexpr,
                    DOT_PREC: tl.constexpr):
@@ -168,7 +171,8 @@ def _walk_fwd_step(S, s, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, 
         rows = tl.arange(0, C)
         cols = tl.arange(0, C)
         causal = (rows[:, None] >= cols[None, :]) & (rows < L)[:, None]
-        A = tl.load(aqk + slot * (C * C) + rows[:, None] * C + cols[None, :], mask=causal, other=0.0)
+        a_base = token_base(aqk, b, t0, hv, s_pb, s_pt, s_ph)
+        A = tl.load(a_base + rows[:, None] * s_pt + cols[None, :], mask=causal, other=0.0)
         A = dot_operand(A.to(tl.float32), OP_BF16, EMULATE)  # [C, C]
         O = tl.dot(A, Vb, acc=tl.dot(Qg, Sb, input_precision=DOT_PREC) * scale, input_precision=DOT_PREC)  # [C, BV]
         o_base = token_base(o, b, t0, hv, s_ob, s_ot, s_oh)
@@ -180,7 +184,8 @@ def _walk_fwd_step(S, s, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, 
 
 @triton.jit
 def _walk_fwd_window(S, wi, i_nh, n_hv, v0, n, hv, table, seq_rows, w, u, qg, kd, aqk, gc, ckpt, h, o, scale, HV, row0,
-                     s_ob, s_ot, s_oh, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                     s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                     BK: tl.constexpr,
                      BV: tl.constexpr, STORE_O: tl.constexpr, STORE_STATES: tl.constexpr, STORE_CKPT: tl.constexpr,
                      OP_BF16: tl.constexpr, EMULATE: tl.constexpr, DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr):
     """Window wi of the forward walk: its checkpoint (STORE_CKPT), then its chunks; returns the state leaving it."""
@@ -193,11 +198,13 @@ def _walk_fwd_window(S, wi, i_nh, n_hv, v0, n, hv, table, seq_rows, w, u, qg, kd
         j = 0
         while j < count:
             S = _walk_fwd_step(S, first + j, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, s_ob, s_ot, s_oh,
+                               s_pb, s_pt, s_ph,
                                K, V, C, BK, BV, STORE_O, STORE_STATES, OP_BF16, EMULATE, DOT_PREC)
             j += 1
     else:
         for j in range(0, count):
             S = _walk_fwd_step(S, first + j, hv, v0, table, w, u, qg, kd, aqk, gc, h, o, scale, HV, s_ob, s_ot, s_oh,
+                               s_pb, s_pt, s_ph,
                                K, V, C, BK, BV, STORE_O, STORE_STATES, OP_BF16, EMULATE, DOT_PREC)
     return S
 
@@ -205,6 +212,7 @@ def _walk_fwd_window(S, wi, i_nh, n_hv, v0, n, hv, table, seq_rows, w, u, qg, kd
 @triton.jit
 def chunk_walk_fwd_kernel(
     table, seq_rows, w, u, qg, kd, aqk, gc, carry, ckpt, h, o, scale, HV, row0, n_win, s_ob, s_ot, s_oh,
+    s_pb, s_pt, s_ph,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STORE_O: tl.constexpr, STORE_STATES: tl.constexpr, STORE_CKPT: tl.constexpr, STORE_CARRY: tl.constexpr,
     OP_BF16: tl.constexpr, EMULATE: tl.constexpr, DOT_PREC: tl.constexpr, LOOP_WHILE: tl.constexpr,
@@ -221,13 +229,15 @@ def chunk_walk_fwd_kernel(
         wi = 0
         while wi < n_win:
             S = _walk_fwd_window(S, wi, i_nh, n_hv, v0, n, hv, table, seq_rows, w, u, qg, kd, aqk, gc, ckpt, h, o,
-                                 scale, HV, row0, s_ob, s_ot, s_oh, K, V, C, BK, BV, STORE_O, STORE_STATES, STORE_CKPT,
+                                 scale, HV, row0, s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, K, V, C, BK, BV, STORE_O,
+                                 STORE_STATES, STORE_CKPT,
                                  OP_BF16, EMULATE, DOT_PREC, LOOP_WHILE)
             wi += 1
     else:
         for wi in range(0, n_win):
             S = _walk_fwd_window(S, wi, i_nh, n_hv, v0, n, hv, table, seq_rows, w, u, qg, kd, aqk, gc, ckpt, h, o,
-                                 scale, HV, row0, s_ob, s_ot, s_oh, K, V, C, BK, BV, STORE_O, STORE_STATES, STORE_CKPT,
+                                 scale, HV, row0, s_ob, s_ot, s_oh, s_pb, s_pt, s_ph, K, V, C, BK, BV, STORE_O,
+                                 STORE_STATES, STORE_CKPT,
                                  OP_BF16, EMULATE, DOT_PREC, LOOP_WHILE)
     if STORE_CARRY:
         _store_tile(carry_nh, S, K, V, v0, V, BK, BV)
@@ -300,7 +310,7 @@ def chunk_walk_bwd_kernel(
 
 @triton.jit
 def chunk_dav_kernel(
-    table, do, u, aqk, daqk, dvs, HV, s_db, s_dt, s_dh,
+    table, do, u, aqk, daqk, dvs, HV, s_db, s_dt, s_dh, s_pb, s_pt, s_ph,
     V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
     OP_BF16: tl.constexpr, EMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -313,7 +323,8 @@ def chunk_dav_kernel(
     cols = tl.arange(0, C)
     causal = rows[:, None] >= cols[None, :]  # [C, C]
     keep_t = (cols[None, :] >= rows[:, None]) & (cols < L)[None, :]  # Aqk^T[j, i] = Aqk[i, j], real rows i >= j
-    At = tl.load(aqk + slot * (C * C) + rows[:, None] + cols[None, :] * C, mask=keep_t, other=0.0)
+    a_base = token_base(aqk, b, t0, hv, s_pb, s_pt, s_ph)
+    At = tl.load(a_base + rows[:, None] + cols[None, :] * s_pt, mask=keep_t, other=0.0)
     At = dot_operand(At.to(tl.float32), OP_BF16, EMULATE)  # [C, C]
     do_base = token_base(do, b, t0, hv, s_db, s_dt, s_dh)
     u_slot = u + slot * (C * V)
@@ -414,9 +425,10 @@ def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
                                   ("seq_rows", seq_rows, (n_win, N, 2), torch.int32),
                                   ("w", w, (n, HV, CHUNK, K), dt), ("u", u, (n, HV, CHUNK, V), dt),
                                   ("qg", qg, (n, HV, CHUNK, K), dt), ("kd", kd, (n, HV, CHUNK, K), dt),
-                                  ("aqk", aqk, (n, HV, CHUNK, CHUNK), dt), ("gc", gc, (n, HV, CHUNK, K), torch.float32),
+                                  ("gc", gc, (n, HV, CHUNK, K), torch.float32),
                                   ("carry", carry, (N, HV, K, V), torch.float32)):
         check_slot(name, x, shape, dtype)
+    sp = check_pairs(aqk, aqk, None, None, HV, dt)
     if h is not None:
         check_slot("h", h, (n, HV, K, V), dt)
     elif o is None:
@@ -438,7 +450,7 @@ def run_walk_fwd(opts: KDAOptions, table: torch.Tensor, seq_rows: torch.Tensor, 
     so = o.stride()[:3] if o is not None else (0, 0, 0)
     chunk_walk_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
         table, seq_rows, w, u, qg, kd, aqk, gc, carry, checkpoints if checkpoints is not None else carry,
-        h if h is not None else u, o if o is not None else u, float(opts.scale), HV, int(row0), n_win, *so,
+        h if h is not None else u, o if o is not None else u, float(opts.scale), HV, int(row0), n_win, *so, *sp,
         K=K, V=V, C=CHUNK, BK=block_size(K), BV=BV, STORE_O=o is not None, STORE_STATES=h is not None,
         STORE_CKPT=checkpoints is not None, STORE_CARRY=bool(store_carry), **flags,
         LOOP_WHILE=triton_interpreting(), num_warps=warps, num_stages=stages[kind],
@@ -483,8 +495,8 @@ def run_dav(opts: KDAOptions, table: torch.Tensor, do: torch.Tensor, u: torch.Te
         raise TypeError(f"table must be a tensor, got {type(table).__name__}")
     dt = u.dtype
     flags = _flags(dt)
+    sp = check_pairs(aqk, aqk, None, None, HV, dt)
     for name, x, shape, dtype in (("table", table, (n, 4), torch.int32), ("u", u, (n, HV, CHUNK, V), dt),
-                                  ("aqk", aqk, (n, HV, CHUNK, CHUNK), dt),
                                   ("daqk", daqk, (n, HV, CHUNK, CHUNK), torch.float32),
                                   ("dvs", dvs, (n, HV, CHUNK, V), torch.float32)):
         check_slot(name, x, shape, dtype)
@@ -493,7 +505,7 @@ def run_dav(opts: KDAOptions, table: torch.Tensor, do: torch.Tensor, u: torch.Te
         return
     warps, stages, blocks = launch_values(launch, DAV_WARPS=DAV_WARPS, DAV_STAGES=DAV_STAGES, DAV_BLOCK_V=DAV_BLOCK_V)
     chunk_dav_kernel[(n, HV)](
-        table, do, u, aqk, daqk, dvs, HV, *do.stride()[:3],
+        table, do, u, aqk, daqk, dvs, HV, *do.stride()[:3], *sp,
         V=V, C=CHUNK, BV=min(blocks[operand_kind(u.dtype)], block_size(V)), **flags, num_warps=warps,
         num_stages=stages,
     )
