@@ -439,6 +439,9 @@ def plan_kda(q=None, v=None, *, B: int | None = None, T: int | None = None, H: i
         lengths = [T] * B
     g_dtype = dtype if g_dtype is None else g_dtype
     if pipeline != "windowed16":
+        if K > 128 or V > 128:
+            raise ValueError(f"the Triton kernels support K, V <= 128, got K={K}, V={V} (plan_kda(backend='torch') "
+                             "prices the PyTorch path)")
         if window_tokens is None:
             window_tokens = chunk64_window(pipeline, pairs=len(lengths) * HV)
         return _plan_chunk64(pipeline, gate, B, T, H, HV, K, V, dtype, g_dtype, tuple(lengths),

@@ -72,10 +72,10 @@ DOTS_CONFIG = {"bf16": (64, 1), "fp32": (32, 2)}  # the dots kernel's (BLOCK_K, 
 SOLVE_CONFIG = {"bf16": (32, 1, 2), "fp32": (16, 2, 1)}  # the solve kernel's (BLOCK_K, warps, stages)
 # the constants above that a tuning run may override by name (``chunk.launch.Launch``, ``tiles.launch_values``)
 LAUNCH_CONSTANTS = ("DIAG_BLOCK_H", "DIAG_NUM_WARPS", "DOTS_CONFIG", "SOLVE_CONFIG")
-# The solve kernel keeps small spills: bf16 at (32, 1, 2) ~60 B, measured on an H100 faster than the spill-free
-# (16, 1, 2) on the unbounded gate's inputs (docs/perf_notes.md); fp32 at (16, 2, 1) ~12 B, the least among 1-8
-# warps (its inverse dots at 3xTF32), not timed.
-SOLVE_SPILL_BUDGET = {"bf16": 64, "fp32": 16}  # bytes of spill stores + loads the build test allows
+# The solve kernel keeps small spills: bf16 at (32, 1, 2) ~36 B, measured on an H100 faster than the spill-free
+# (16, 1, 2) on the unbounded gate's inputs (docs/perf_notes.md); fp32 at (16, 2, 1) ~150 B with the masked
+# token-layout pair stores (no 1-8 warp config builds under 48 B; its inverse dots at 3xTF32), not timed.
+SOLVE_SPILL_BUDGET = {"bf16": 64, "fp32": 160}  # bytes of spill stores + loads the build test allows
 
 
 def solve_block_k(op_bf16: bool, BK: int, launch=None) -> int:
@@ -105,8 +105,9 @@ def _store_block(base, x, I: tl.constexpr, J: tl.constexpr, stride_row, n_rows, 
     ``base + r * stride_row``), rows ``>= n_rows`` not stored, cast to its dtype (bf16 rounding emulated under the
     interpreter when ROUND)."""
     r = tl.arange(0, SB)
-    ptrs = base + (SB * I + r)[:, None] * stride_row + (SB * J + r)[None, :]
-    tl.store(ptrs, round_to_bf16_if(x, ROUND).to(base.dtype.element_ty), mask=(SB * I + r < n_rows)[:, None])
+    row = base + SB * I * stride_row + SB * J + r * stride_row  # [SB] the block's row pointers
+    tl.store(row[:, None] + r[None, :], round_to_bf16_if(x, ROUND).to(base.dtype.element_ty),
+             mask=(r < n_rows - SB * I)[:, None])
 
 
 @triton.jit

@@ -322,10 +322,10 @@ def chunk_dav_kernel(
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
     causal = rows[:, None] >= cols[None, :]  # [C, C]
-    keep_t = (cols[None, :] >= rows[:, None]) & (cols < L)[None, :]  # Aqk^T[j, i] = Aqk[i, j], real rows i >= j
     a_base = token_base(aqk, b, t0, hv, s_pb, s_pt, s_ph)
-    At = tl.load(a_base + rows[:, None] + cols[None, :] * s_pt, mask=keep_t, other=0.0)
-    At = dot_operand(At.to(tl.float32), OP_BF16, EMULATE)  # [C, C]
+    # Aqk's real rows i < L (lower incl. diagonal) as stored, row-contiguous; its transpose in registers
+    A = tl.load(a_base + rows[:, None] * s_pt + cols[None, :], mask=causal & (rows < L)[:, None], other=0.0)
+    At = dot_operand(tl.trans(A).to(tl.float32), OP_BF16, EMULATE)  # [C, C]
     do_base = token_base(do, b, t0, hv, s_db, s_dt, s_dh)
     u_slot = u + slot * (C * V)
     dvs_slot = dvs + slot * (C * V)

@@ -4,7 +4,9 @@ The float64 function takes q̂, k̂, v, G, g_C, β, S and, as independent leaves
 returns O and S_next (Tinv = (I + A)^-1 inside); its gradients for the upstream dO and dS_next are what
 grads_wy writes: dqh (q̂), dkh (k̂), dv, dbs (β), dgs (G), dgc (g_C), dakk (A, strictly lower). The kernels read
 the forward's slots (Tinv, qg, kd, V', dV', the states) as the forward would store them (the token dtype), with
-NaN in every padded slot row, which they must never read.
+NaN in every padded slot row, which they must never read. Tinv is in token layout (tests/ops/kda/chunk/_pairs.py):
+each chunk's rows < L at its tokens of a NaN-filled pair buffer, so a padded row read past a batch row's last
+chunk is NaN.
 """
 
 import math
@@ -19,6 +21,7 @@ from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND, GATE_NONE, GATE_SOFTPL
 from kdakit.ops.kda.constants import LOG_DECAY_FLOOR
 from kdakit.ops.kda.options import kda_options
 from tests.ops.kda._sm90_build import read_reports, run_sm90_build
+from tests.ops.kda.chunk._pairs import pair_views, same_bits
 
 C = CHUNK
 F64 = torch.float64
@@ -76,9 +79,10 @@ def make_case(B, T, seqlens, H, HV, K, V, dtype, gate, l2norm, seed=0):
     dv = dv_buf[..., :HV * V].view(B, T, HV, V)
     a = log_decay(gate, B, T, HV, K, gen)
     beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen, dtype=F64)).float()
+    pairs, _, tinv = pair_views(B, T, HV, dtype)  # NaN-filled, the chunks' rows written below
     slot = dict(
         gc=torch.full((n, HV, C, K), nan), bt=torch.full((n, HV, C), nan), rq=torch.full((n, H, C), nan),
-        rk=torch.full((n, H, C), nan), tinv=torch.full((n, HV, C, C), nan, dtype=dtype),
+        rk=torch.full((n, H, C), nan), tinv=tinv,
         w=torch.full((n, HV, C, K), nan, dtype=dtype), qg=torch.full((n, HV, C, K), nan, dtype=dtype),
         kd=torch.full((n, HV, C, K), nan, dtype=dtype), u=torch.full((n, HV, C, V), nan, dtype=dtype),
         dvs=torch.full((n, HV, C, V), nan), h=(0.5 * torch.randn(n, HV, K, V, generator=gen, dtype=F64)).to(dtype),
@@ -119,8 +123,8 @@ def make_case(B, T, seqlens, H, HV, K, V, dtype, gate, l2norm, seed=0):
         W = Tinv @ (bt[..., None] * kh * torch.exp(G))
         Vp = Tinv @ (bt[..., None] * vc) - W @ S
         kd = kh * torch.exp(gC[:, None] - G)
-        slot["tinv"][i, :, :L, :L] = Tinv.to(dtype)
-        slot["tinv"][i, :, :L, L:] = 0  # exact zeros above the diagonal
+        slot["tinv"][b, tok, :, :L] = Tinv.transpose(0, 1).to(dtype)  # row r at token t0 + r
+        slot["tinv"][b, tok, :, L:] = 0  # exact zeros above the diagonal
         slot["w"][i, :, :L] = W.to(dtype)
         slot["qg"][i, :, :L] = (qh * torch.exp(G)).to(dtype)
         slot["kd"][i, :, :L] = kd.to(dtype)
@@ -133,7 +137,7 @@ def make_case(B, T, seqlens, H, HV, K, V, dtype, gate, l2norm, seed=0):
     opts = kda_options(q, k, v, a.float(), beta, scale=scale, validate=False,
                        cu_seqlens=None if seqlens is None else torch.tensor([0] + seqlens).cumsum(0))
     table = torch.tensor(rows, dtype=torch.int32).reshape(n, 4)
-    return opts, table, dict(q=q, k=k, v=v, do=do), slot, dv, dv_buf, out, refs
+    return opts, table, dict(q=q, k=k, v=v, do=do), slot, dv, dv_buf, out, refs, pairs
 
 
 def rel_err(x, ref):
@@ -154,7 +158,9 @@ CASES = [
                                               "varlen-K32-none"])
 def test_grads_wy_matches_float64_autograd(case, dtype):
     B, T, seqlens, H, HV, K, V, gate, l2norm = case
-    opts, table, tok, slot, dv, dv_buf, out, refs = make_case(B, T, seqlens, H, HV, K, V, dtype, gate, l2norm)
+    opts, table, tok, slot, dv, dv_buf, out, refs, pairs = make_case(B, T, seqlens, H, HV, K, V, dtype, gate,
+                                                                     l2norm)
+    pairs_before = pairs.clone()  # the pair buffer whose tinv view the kernels read
     run_grads_wy(opts, table, tok["q"], tok["k"], tok["v"], tok["do"], slot["gc"], slot["bt"], slot["rq"],
                  slot["rk"], slot["tinv"], slot["w"], slot["qg"], slot["kd"], slot["u"], slot["dvs"], slot["h"],
                  slot["dh"], dv, out["dqh"], out["dkh"], out["dgs"], out["dgc"], out["dbs"], out["dakk"])
@@ -184,12 +190,13 @@ def test_grads_wy_matches_float64_autograd(case, dtype):
         assert err < tol, f"{name}: max error {err:.2e} of its largest entry (tolerance {tol:.0e})"
     # dv is written through its view only: the wider buffer's other columns keep their NaN fill
     assert torch.isnan(dv_buf[..., HV * V:]).all()
+    assert same_bits(pairs, pairs_before)  # tinv is read only
     if seqlens is None:
         assert torch.isfinite(dv).all()
 
 
 def test_grads_wy_rejects_bad_arguments():
-    opts, table, tok, slot, dv, _, out, _ = make_case(1, 70, None, 1, 1, 32, 32, torch.float32, GATE_NONE, False)
+    opts, table, tok, slot, dv, _, out, _, _ = make_case(1, 70, None, 1, 1, 32, 32, torch.float32, GATE_NONE, False)
 
     def call(**change):
         args = dict(opts=opts, table=table, **tok, **slot, dv=dv, **out)
@@ -210,6 +217,15 @@ def test_grads_wy_rejects_bad_arguments():
         call(dv=dv.to(torch.bfloat16))
     with pytest.raises(ValueError, match="k must have a unit stride"):
         call(k=tok["k"].repeat_interleave(2, dim=-1)[..., ::2])
+    # tinv: token layout [B, T, HV, C] in the token dtype, unit last stride
+    with pytest.raises(TypeError, match="tinv"):
+        call(tinv=slot["tinv"].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="tinv"):
+        call(tinv=torch.zeros(table.shape[0], 1, C, C))  # the former slot layout [n, HV, C, C]
+    with pytest.raises(ValueError, match="tinv"):
+        call(tinv=torch.zeros(1, 70, 1, 2 * C)[..., ::2])  # not unit-stride
+    with pytest.raises(ValueError, match="tinv"):
+        call(tinv=torch.zeros(1, 71, 1, C))  # T of 71
 
 
 SM90_SCRIPT = """

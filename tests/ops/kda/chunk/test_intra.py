@@ -2,7 +2,9 @@
 (docs/chunk_pipeline.md): Aqk (scaled, lower incl. diagonal), the diagonal 16 x 16 blocks of Akk, and
 Tinv = (I + diag(bt) Akk)^-1, from q, k and the slots gc, bt, rq, rk that the prep stage writes (built here in
 PyTorch as prep defines them: the gate's log-decay clamped at -110, its inclusive cumsum within each chunk,
-padded rows holding G[L-1], bt and the l2norm scales 0 on padded rows)."""
+padded rows holding G[L-1], bt and the l2norm scales 0 on padded rows). aqk and tinv are token-layout views of one
+pair tensor (tests/ops/kda/chunk/_pairs.py) inside a NaN-poisoned buffer, gathered back into ``[n, HV, C, C]``
+for the comparisons."""
 
 import math
 from types import SimpleNamespace
@@ -20,6 +22,7 @@ from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND, GATE_NONE, GATE_SOFTPL
 from kdakit.ops.kda.constants import LOG_DECAY_FLOOR
 from kdakit.ops.kda.reference.preprocess import kda_gate, l2norm_rstd
 from tests.ops.kda._sm90_build import read_reports, run_sm90_build
+from tests.ops.kda.chunk._pairs import assert_outside_untouched, from_tokens, pair_views
 
 C = CHUNK
 
@@ -73,7 +76,7 @@ def make_inputs(*, B, T, H, HV, K, seqlens, dtype, gate, l2norm, strided, seed):
             rq[i, :, :L] = 1.0
             rk[i, :, :L] = 1.0
     assert group >= 1
-    return SimpleNamespace(q=q, k=k, table=table, rows=rows, gc=gc, bt=bt, rq=rq, rk=rk, HV=HV)
+    return SimpleNamespace(q=q, k=k, table=table, rows=rows, gc=gc, bt=bt, rq=rq, rk=rk, HV=HV, B=B, T=T)
 
 
 def reference(x, scale):
@@ -160,38 +163,48 @@ CASES = [
 @pytest.mark.slow
 def test_intra_matches_reference(case):
     """aqk, akk_d, tinv against float64: fp32 within 1e-4 of each matrix's largest entry (16-bit: bf16/fp16
-    storage and bf16 dot operands); exact zeros above the diagonal, on padded rows and in akk_d's unused
-    columns; Tinv's diagonal exactly 1; every entry written (outputs start as NaN) and finite."""
+    storage and bf16 dot operands); exact zeros above the diagonal and in akk_d's unused columns and rows;
+    Tinv's diagonal exactly 1; every entry of the chunks' rows written (outputs start as NaN) and finite, nothing
+    stored outside them (padded rows past a batch row's last chunk, columns past the pair tensor)."""
     _, B, T, H, HV, K, seqlens, dtype, gate, l2norm, strided = case
     x = make_inputs(B=B, T=T, H=H, HV=HV, K=K, seqlens=seqlens, dtype=dtype, gate=gate, l2norm=l2norm,
                     strided=strided, seed=len(case[0]))
     n = len(x.rows)
     scale = K ** -0.5
-    aqk = torch.full((n, HV, C, C), math.nan, dtype=dtype)
+    buf, aqk, tinv = pair_views(B, T, HV, dtype)
     akk_d = torch.full((n, HV, C, SUB), math.nan)
-    tinv = torch.full((n, HV, C, C), math.nan, dtype=dtype)
     run_intra(SimpleNamespace(scale=scale, safe=False), x.table, x.q, x.k, x.gc, x.bt, x.rq, x.rk, aqk, akk_d, tinv)
 
-    check_outputs(x, scale, dtype, aqk, akk_d, tinv)
+    check_outputs(x, scale, dtype, aqk, akk_d, tinv, buf)
 
 
-def check_outputs(x, scale, dtype, aqk, akk_d, tinv):
-    """The common checks; returns the token-parallel sub-chunk mask."""
+def real_rows(rows):
+    """bool ``[n, 1, C, 1]``: the chunks' real rows r < L."""
+    return torch.stack([torch.arange(C) < L for _, _, _, L in rows])[:, None, :, None]
+
+
+def check_outputs(x, scale, dtype, aqk, akk_d, tinv, buf=None):
+    """The common checks on token-layout aqk, tinv (``buf``: their NaN-filled backing buffer from
+    ``_pairs.pair_views``, checked for stores outside the chunks' rows when given); returns the token-parallel
+    sub-chunk mask."""
+    if buf is not None:
+        assert_outside_untouched(buf, x.T, x.rows, "aqk/tinv")
+    aqk, tinv = from_tokens(aqk, x.rows), from_tokens(tinv, x.rows)  # [n, HV, C, C], rows >= L 0
+    real = real_rows(x.rows)
     r_aqk, r_akk, r_tinv = reference(x, scale)
+    assert (r_aqk[~real.expand_as(r_aqk)] == 0).all()  # the contract's padded rows of Aqk are 0 (q^ = 0 there)
     fp32 = dtype == torch.float32
     check_close("aqk", aqk, r_aqk, 1e-5 if fp32 else 8e-3)
     tp = token_parallel(x)
     check_akk_d(akk_d, r_akk, tp, x.rows, fp32)
-    check_close("tinv", tinv, r_tinv, 1e-4 if fp32 else 5e-3)
+    # Tinv's padded rows (unit rows in the reference: identity steps) have no storage
+    check_close("tinv", tinv, torch.where(real, r_tinv, 0.0), 1e-4 if fp32 else 5e-3)
 
     r = torch.arange(C)
     upper = r[None, :] > r[:, None]
     assert (aqk[..., upper] == 0).all() and (tinv[..., upper] == 0).all()
-    assert (tinv.diagonal(dim1=-2, dim2=-1) == 1).all()
-    for i, (_, _, _, L) in enumerate(x.rows):
-        assert (aqk[i, :, L:] == 0).all()
-        # padded rows are identity steps: Tinv's rows there are unit rows
-        assert (tinv[i, :, L:].double() == torch.eye(C, dtype=torch.float64)[L:]).all()
+    diag = tinv.diagonal(dim1=-2, dim2=-1)  # [n, HV, C]
+    assert (diag[real[..., 0].expand_as(diag)] == 1).all()
     return tp
 
 
@@ -204,10 +217,11 @@ def test_diag_blocks_exact_under_resets():
     a[::5] = -0.01
     a[7] = LOG_DECAY_FLOOR
     x.gc[0, 0] = torch.cumsum(a, dim=0)
-    aqk = torch.empty(1, 1, C, C)
+    buf, aqk, tinv = pair_views(1, 64, 1, torch.float32)
     akk_d = torch.empty(1, 1, C, SUB)
-    tinv = torch.empty(1, 1, C, C)
     run_intra(SimpleNamespace(scale=0.5, safe=False), x.table, x.q, x.k, x.gc, x.bt, x.rq, x.rk, aqk, akk_d, tinv)
+    assert_outside_untouched(buf, 64, x.rows, "aqk/tinv")
+    aqk, tinv = from_tokens(aqk, x.rows), from_tokens(tinv, x.rows)
     r_aqk, r_akk, r_tinv = reference(x, 0.5)
     assert (aqk[0, 0, 7:, :7] == 0).all() and (akk_d[0, 0, 7:16, :7] == 0).all()
     # the diagonal blocks pair by pair: each entry, down to 1e-30, to fp32 rounding (sums of 24 terms)
@@ -221,7 +235,8 @@ def test_run_intra_rejects_bad_arguments():
     x = make_inputs(B=1, T=16, H=1, HV=2, K=16, seqlens=None, dtype=torch.float32, gate=GATE_LOWER_BOUND,
                     l2norm=True, strided=False, seed=0)
     n, opts = len(x.rows), SimpleNamespace(scale=1.0, safe=False)
-    good = dict(aqk=torch.empty(n, 2, C, C), akk_d=torch.empty(n, 2, C, SUB), tinv=torch.empty(n, 2, C, C))
+    _, aqk, tinv = pair_views(1, 16, 2, torch.float32)
+    good = dict(aqk=aqk, akk_d=torch.empty(n, 2, C, SUB), tinv=tinv)
 
     def call(**over):
         t = dict(table=x.table, q=x.q, k=x.k, gc=x.gc, bt=x.bt, rq=x.rq, rk=x.rk, **good)
@@ -229,14 +244,25 @@ def test_run_intra_rejects_bad_arguments():
         run_intra(opts, t["table"], t["q"], t["k"], t["gc"], t["bt"], t["rq"], t["rk"], t["aqk"], t["akk_d"],
                   t["tinv"])
 
+    # aqk, tinv: token layout [B, T, HV, C] in q's dtype, unit last stride, views of one pair tensor
+    with pytest.raises(TypeError, match="aqk"):
+        call(aqk=aqk.to(torch.bfloat16))
+    with pytest.raises(TypeError, match="tinv"):
+        call(tinv=torch.empty(1, 16, 2, C, dtype=torch.float16))
     with pytest.raises(ValueError, match="aqk"):
-        call(aqk=torch.empty(n, 2, C, C, dtype=torch.bfloat16))
+        call(aqk=torch.empty(n, 2, C, C))  # the former slot layout
+    with pytest.raises(ValueError, match="tinv"):
+        call(tinv=torch.empty(1, 17, 2, 2 * C)[:, :16, :, :C].transpose(1, 2))  # [B, HV, T, C]
+    with pytest.raises(ValueError, match="tinv"):
+        call(tinv=torch.empty(1, 16, 2, 2 * C)[..., ::2])  # not unit-stride
+    with pytest.raises(ValueError, match="aqk and tinv"):
+        call(tinv=torch.empty(1, 16, 2, C))  # the right shape, but not a view of aqk's pair tensor
+    with pytest.raises(ValueError, match="tinv"):
+        call(tinv=torch.empty(1, 15, 2, 2 * C)[..., C:])  # T of 15
     with pytest.raises(ValueError, match="akk_d"):
         call(akk_d=torch.empty(n, 2, C, 8))
     with pytest.raises(ValueError, match="gc"):
         call(gc=x.gc.double())
-    with pytest.raises(ValueError, match="tinv"):
-        call(tinv=torch.empty(n, 2, C, 2 * C)[..., :C])
     with pytest.raises(ValueError, match="q"):
         call(q=x.q.transpose(2, 3))
     with pytest.raises(ValueError, match="table"):

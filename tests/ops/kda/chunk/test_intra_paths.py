@@ -2,7 +2,8 @@
 kernel for the sub-chunks that pass the span check, token-parallel in the diag kernel for the others. Each test
 sets the log-decays per (chunk, value head, sub-chunk) so that a chosen pattern of sub-chunks takes each path,
 checks akk_d (NaN-filled before the call: every row written, each path at its own tolerance) and the outputs
-against the float64 reference of test_intra at its tolerances."""
+(token-layout aqk, tinv in a NaN-poisoned buffer, tests/ops/kda/chunk/_pairs.py) against the float64 reference
+of test_intra at its tolerances."""
 
 import math
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ import torch
 from kdakit.ops.kda.chunk.intra import run_intra
 from kdakit.ops.kda.chunk.tiles import CHUNK, SUB
 from kdakit.ops.kda.chunk_common import GATE_LOWER_BOUND
+from tests.ops.kda.chunk._pairs import assert_outside_untouched, covered, from_tokens, pair_views
 from tests.ops.kda.chunk.test_intra import check_outputs, make_inputs, reference, token_parallel
 
 C = CHUNK
@@ -35,15 +37,18 @@ def set_log_decay(x, big, seed):
         x.gc[i, :, L:] = G[:, L - 1:L]
 
 
-def run(x, dtype, safe):
-    n, HV = len(x.rows), x.HV
+def run(x, dtype, safe, rows=slice(None)):
+    """run_intra on the table rows ``rows`` (a slice: the slots' rows with them) -> (scale, aqk, akk_d, tinv,
+    buf): aqk, tinv token-layout views of the NaN-filled pair buffer buf."""
+    HV = x.HV
     scale = x.q.shape[-1] ** -0.5
-    aqk = torch.full((n, HV, C, C), math.nan, dtype=dtype)
+    table = x.table[rows].contiguous()
+    n = table.shape[0]
+    buf, aqk, tinv = pair_views(x.B, x.T, HV, dtype)
     akk_d = torch.full((n, HV, C, SUB), math.nan)
-    tinv = torch.full((n, HV, C, C), math.nan, dtype=dtype)
-    run_intra(SimpleNamespace(scale=scale, safe=safe), x.table, x.q, x.k, x.gc, x.bt, x.rq, x.rk, aqk, akk_d,
-              tinv)
-    return scale, aqk, akk_d, tinv
+    slots = [s[rows].contiguous() for s in (x.gc, x.bt, x.rq, x.rk)]
+    run_intra(SimpleNamespace(scale=scale, safe=safe), table, x.q, x.k, *slots, aqk, akk_d, tinv)
+    return scale, aqk, akk_d, tinv, buf
 
 
 def inputs(dtype, seed=0):
@@ -74,8 +79,17 @@ def test_diag_paths(mode, dtype):
     for i, (_, _, _, L) in enumerate(x.rows):  # a sub-chunk wholly past L spans 0 (every row reads as L - 1)
         expect[i, :, (L + SUB - 1) // SUB:] = False
     assert torch.equal(token_parallel(x), expect)  # the test's own premise
-    scale, aqk, akk_d, tinv = run(x, dtype, safe=False)
-    check_outputs(x, scale, dtype, aqk, akk_d, tinv)  # akk_d: each sub-chunk at its path's tolerance
+    scale, aqk, akk_d, tinv, buf = run(x, dtype, safe=False)
+    check_outputs(x, scale, dtype, aqk, akk_d, tinv, buf)  # akk_d: each sub-chunk at its path's tolerance
+    # the 6-token chunk alone (table row 1: its sub-chunk 0 on both paths in "mix", sub-chunks 1-3 padded):
+    # nothing stored on its padded rows, which would be the next sequence's tokens 70.. and the guard past T;
+    # its own rows the full run's bits
+    assert x.rows[1][2:] == (64, 6)
+    _, aqk1, akk_d1, tinv1, buf1 = run(x, dtype, safe=False, rows=slice(1, 2))
+    assert_outside_untouched(buf1, x.T, x.rows, "aqk/tinv", 1, 2)
+    mine = covered(x.B, x.T, x.rows, 1, 2)
+    assert torch.equal(aqk1[mine], aqk[mine]) and torch.equal(tinv1[mine], tinv[mine])
+    assert torch.equal(akk_d1, akk_d[1:2])
 
 
 def test_safe_skips_the_check_with_the_same_bits():
@@ -83,10 +97,12 @@ def test_safe_skips_the_check_with_the_same_bits():
     pass the check anyway the outputs, akk_d included, are bit-identical to the checked run."""
     x = inputs(torch.bfloat16, seed=2)
     set_log_decay(x, torch.zeros(len(x.rows), x.HV, NSUB, dtype=torch.bool), seed=3)
-    _, aqk, akk_d, tinv = run(x, torch.bfloat16, safe=False)
-    _, aqk_s, akk_d_s, tinv_s = run(x, torch.bfloat16, safe=True)
+    _, aqk, akk_d, tinv, _ = run(x, torch.bfloat16, safe=False)
+    _, aqk_s, akk_d_s, tinv_s, buf_s = run(x, torch.bfloat16, safe=True)
     assert torch.isfinite(akk_d).all() and torch.equal(akk_d, akk_d_s)
+    assert covered(x.B, x.T, x.rows).all()  # every token is a chunk's row: the views hold no NaN fill
     assert torch.equal(aqk, aqk_s) and torch.equal(tinv, tinv_s)
+    assert_outside_untouched(buf_s, x.T, x.rows, "aqk/tinv")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -99,7 +115,9 @@ def test_nan_gate_takes_the_token_parallel_path(dtype):
     x.gc[0, 1, 20:, 5] = math.nan
     tp = token_parallel(x)
     assert tp[0, 1].tolist() == [False, True, True, True] and tp.sum() == 3
-    scale, aqk, akk_d, tinv = run(x, dtype, safe=False)
+    scale, aqk, akk_d, tinv, buf = run(x, dtype, safe=False)
+    assert_outside_untouched(buf, x.T, x.rows, "aqk/tinv")
+    aqk, tinv = from_tokens(aqk, x.rows), from_tokens(tinv, x.rows)  # [n, HV, C, C], padded rows 0
     r_aqk, _, _ = reference(x, scale)
     nan_ref = torch.isnan(r_aqk)
     r = torch.arange(C)

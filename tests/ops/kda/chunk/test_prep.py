@@ -17,6 +17,7 @@ from kdakit.ops.kda.chunk.prep import run_prep, run_wu
 from kdakit.ops.kda.options import kda_options
 
 from .._sm90_build import read_reports, run_sm90_build
+from ._pairs import pair_views, same_bits, to_tokens
 
 pytestmark = pytest.mark.skipif(not triton_interpreting(), reason="needs TRITON_INTERPRET=1 (CPU tier)")
 C = 64
@@ -231,14 +232,17 @@ def tinv_ref(kh, G, bt):
 
 
 def wu_case(c: Case):
-    """Inputs, the prep slots as the kernel takes them (float64 reference cast to fp32), tinv in the token dtype,
-    and the float64 reference of w, u, qg, kd from exactly those slots."""
+    """Inputs, the prep slots as the kernel takes them (float64 reference cast to fp32), tinv in the token dtype
+    and token layout (rows < L of each chunk at its tokens; the tinv view of a NaN-filled pair buffer, returned
+    too: its aqk half, guard tokens and columns stay NaN, which the kernel must not read), and the float64
+    reference of w, u, qg, kd from exactly those rows (Tinv's padded rows, unit rows in float64, load as 0: both
+    give 0 there, bt and k^ being 0 on padded rows)."""
     inp = make_inputs(c, seed=1)
     p = {name: x.to(torch.float32) for name, x in prep_ref(c, inp).items()}
     G_of = c.HV // c.H
     q, k, v = f64(inp["q"]), f64(inp["k"]), f64(inp["v"])
     n = len(inp["rows"])
-    tinv = torch.empty(n, c.HV, C, C, dtype=c.dtype)
+    tinv_s = torch.empty(n, c.HV, C, C, dtype=c.dtype)
     ref = {name: torch.zeros(n, c.HV, C, c.V if name == "u" else c.K, dtype=torch.float64)
            for name in ("w", "u", "qg", "kd")}
     for i, (_, b, t0, L) in enumerate(inp["rows"]):
@@ -248,18 +252,22 @@ def wu_case(c: Case):
             kh = chunk_of(k, b, t0, L)[:, h] * p["rk"][i, h].double()[:, None]
             qh = chunk_of(q, b, t0, L)[:, h] * p["rq"][i, h].double()[:, None]
             vc = chunk_of(v, b, t0, L)[:, hv]
-            tinv[i, hv] = tinv_ref(kh, G, bt).to(c.dtype)
-            Ti = tinv[i, hv].double()
+            tinv_s[i, hv] = tinv_ref(kh, G, bt).to(c.dtype)
+            Ti = tinv_s[i, hv].double()
+            Ti[L:] = 0.0  # padded rows: no storage
             ref["w"][i, hv] = Ti @ (bt[:, None] * kh * torch.exp(G))
             ref["u"][i, hv] = Ti @ (bt[:, None] * vc)
             ref["qg"][i, hv] = qh * torch.exp(G)
             ref["kd"][i, hv] = kh * torch.exp(G[-1][None, :] - G)
-    return inp, p, tinv, ref
+    buf, _, tinv = pair_views(c.B, c.T, c.HV, c.dtype)
+    to_tokens(tinv_s, inp["rows"], tinv)
+    return inp, p, tinv, buf, ref
 
 
 @pytest.mark.parametrize("c", CASES, ids=case_id)
 def test_wu_matches_float64(c):
-    inp, p, tinv, ref = wu_case(c)
+    inp, p, tinv, buf, ref = wu_case(c)
+    before = buf.clone()
     n = len(inp["rows"])
     out = {name: torch.full((n, c.HV, C, c.V if name == "u" else c.K), float("nan"), dtype=c.dtype)
            for name in ("w", "u", "qg", "kd")}
@@ -274,6 +282,7 @@ def test_wu_matches_float64(c):
     for i, (_, _, _, L) in enumerate(inp["rows"]):  # identity steps: nothing on padded rows
         for name in ("w", "u", "qg", "kd"):
             assert (out[name][i, :, L:] == 0).all(), name
+    assert same_bits(buf, before)  # tinv is read only
 
 
 # ---------------------------------------------------------------------------------------
@@ -306,11 +315,22 @@ def test_launcher_errors_name_the_argument():
     with pytest.raises(TypeError, match="opts"):
         run_prep(None, *args[1:])
     n = len(inp["rows"])
-    tinv = torch.zeros(n, c.HV, C, C, dtype=torch.bfloat16)  # fp32 inputs take an fp32 tinv
     w = torch.zeros(n, c.HV, C, c.K)
-    with pytest.raises(TypeError, match="tinv"):
+
+    def wu(tinv):
         run_wu(inp["opts"], inp["table"], inp["q"], inp["k"], inp["v"], s["gc"], s["bt"], s["rq"], s["rk"], tinv,
                w, torch.zeros(n, c.HV, C, c.V), w.clone(), w.clone())
+
+    _, _, tinv = pair_views(c.B, c.T, c.HV, torch.bfloat16)  # fp32 inputs take an fp32 tinv
+    with pytest.raises(TypeError, match="tinv"):
+        wu(tinv)
+    # token layout [B, T, HV, C], unit last stride
+    with pytest.raises(ValueError, match="tinv"):
+        wu(torch.zeros(n, c.HV, C, C))  # the former slot layout
+    with pytest.raises(ValueError, match="tinv"):
+        wu(torch.zeros(c.B, c.T, c.HV, 2 * C)[..., ::2])
+    with pytest.raises(ValueError, match="tinv"):
+        wu(torch.zeros(c.B, c.T + 1, c.HV, C))
 
 
 # ---------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 chunks implementing docs/chunk_pipeline.md's formulas, on random slot tensors (padded rows and aqk's upper
 triangle hold garbage the kernels must not read), fixed-length and packed (with a short chunk and an empty
 sequence) tables, one window and two windows with the carry passed between, strided do / o views; plus the
-launchers' argument checks and an sm_90a build of every kernel variant (registers, no spills)."""
+launchers' argument checks and an sm_90a build of every kernel variant (registers, no spills). aqk is in token
+layout (tests/ops/kda/chunk/_pairs.py): each chunk's rows < L at its tokens in a NaN-filled pair buffer, so a
+padded row a kernel read would be the next chunk's rows or NaN past the batch row's last chunk."""
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from kdakit.ops.kda.chunk.tiles import CHUNK
 from kdakit.ops.kda.chunk.walk import run_dav, run_walk_bwd, run_walk_fwd
 from kdakit.ops.kda.options import kda_options
 from tests.ops.kda._sm90_build import read_reports, run_sm90_build
+from tests.ops.kda.chunk._pairs import pair_views, same_bits, to_tokens
 
 C = CHUNK
 DIMS = [(24, 20), (32, 32)]  # (K, V): not powers of two, and a full block
@@ -69,18 +72,22 @@ def _setup(B, T, H, HV, seqlens, K, V, dtype, seed=0):
         gc[i, :, L:] = 3.0
     x = dict(
         w=rn(n, HV, C, K, s=0.5 / K ** 0.5), u=rn(n, HV, C, V), qg=rn(n, HV, C, K),
-        kd=rn(n, HV, C, K, s=0.5 / C ** 0.5), aqk=rn(n, HV, C, C, s=0.2), gc=gc.float(),
+        kd=rn(n, HV, C, K, s=0.5 / C ** 0.5), aqk_slot=rn(n, HV, C, C, s=0.2), gc=gc.float(),
         carry=torch.randn(N, HV, K, V, generator=gen),
         do_wide=rn(B, T, 3 + HV * V), o_wide=rn(B, T, 3 + HV * V),
         dvs=torch.randn(n, HV, C, V, generator=gen), dcarry=torch.randn(N, HV, K, V, generator=gen),
     )
     x["do"], x["o"] = _view(x["do_wide"], HV, V), _view(x["o_wide"], HV, V)
+    # aqk in token layout: the slot matrices' rows < L (upper triangle garbage included) at their tokens
+    x["aqk_buf"], x["aqk"], _ = pair_views(B, T, HV, dtype)
+    to_tokens(x["aqk_slot"], rows, x["aqk"])
     return opts, rows, n, N, x
 
 
 def _chunk_operands(x, i, L):
     """float64 copies of slot i's tiles with the padded rows (r >= L) zeroed and aqk lower-triangular."""
-    z = {name: x[name][i].double().clone() for name in ("w", "u", "qg", "kd", "aqk", "dvs")}
+    z = {name: x[name][i].double().clone() for name in ("w", "u", "qg", "kd", "aqk_slot", "dvs")}
+    z["aqk"] = z.pop("aqk_slot")
     for name in z:
         z[name][:, L:] = 0.0
     z["aqk"] = torch.tril(z["aqk"])
@@ -168,7 +175,7 @@ def _run_fwd(opts, x, table, rows, N, windows, store_o):
         # the table's own row numbers, with the slots and table starting at row0 = r0
         s = slice(r0, r1)
         run_walk_fwd(opts, table[s], _seq_rows(rows, r0, r1, N, base=0)[None], x["w"][s], u[s], x["qg"][s],
-                     x["kd"][s], x["aqk"][s], x["gc"][s], carry, h[s], o, row0=r0)
+                     x["kd"][s], x["aqk"], x["gc"][s], carry, h[s], o, row0=r0)
     return h, u, o_wide, carry
 
 
@@ -205,6 +212,7 @@ def _run_bwd(opts, x, table, rows, N, windows):
 @pytest.mark.parametrize("B,T,H,HV,seqlens", CASES)
 def test_walk_fwd(B, T, H, HV, seqlens, K, V, dtype):
     opts, rows, n, N, x = _setup(B, T, H, HV, seqlens, K, V, dtype)
+    aqk_before = x["aqk_buf"].clone()
     table = torch.tensor(rows, dtype=torch.int32)
     one = [(0, n)]
     two = [(0, n // 2), (n // 2, n)]
@@ -242,6 +250,7 @@ def test_walk_fwd(B, T, H, HV, seqlens, K, V, dtype):
     run_walk_fwd(opts, table, _seq_rows(rows, 0, n, N)[None], x["w"], u, x["qg"], x["kd"], x["aqk"], x["gc"], start,
                  h, None, store_carry=False)
     assert torch.equal(start, x["carry"]) and torch.equal(h, runs[False][0]) and torch.equal(u, runs[False][1])
+    assert same_bits(x["aqk_buf"], aqk_before)  # aqk is read only
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -270,7 +279,9 @@ def test_dav(B, T, H, HV, seqlens, K, V, dtype):
     table = torch.tensor(rows, dtype=torch.int32)
     daqk = torch.full((n, HV, C, C), float("nan"))
     dvs = torch.full((n, HV, C, V), float("nan"))
+    aqk_before = x["aqk_buf"].clone()
     run_dav(opts, table, x["do"], x["u"], x["aqk"], daqk, dvs)
+    assert same_bits(x["aqk_buf"], aqk_before)  # aqk is read only
     rdaqk, rdvs = _ref_dav(rows, x)
     tol = _tol(dtype, False)
     assert not torch.isnan(daqk).any() and not torch.isnan(dvs).any()
@@ -294,6 +305,18 @@ def test_launcher_checks():
     for name, value in bad.items():
         with pytest.raises((ValueError, TypeError), match=name):
             run_walk_fwd(opts, table, seq[None], **dict(args, **{name: value}))
+    # aqk: token layout [B, T, HV, C] in the slots' dtype with a unit last stride
+    bad_aqk = [
+        (TypeError, x["aqk"].float()),  # wrong dtype
+        (ValueError, x["aqk_slot"]),  # the former slot layout [n, HV, C, C]
+        (ValueError, x["aqk"][:, :, :2]),  # HV of 2, not 4
+        (ValueError, torch.zeros(1, 139, 4, 2 * C, dtype=torch.bfloat16)[..., ::2]),  # not unit-stride
+    ]
+    for err, value in bad_aqk:
+        with pytest.raises(err, match="aqk"):
+            run_walk_fwd(opts, table, seq[None], **dict(args, aqk=value))
+        with pytest.raises(err, match="aqk"):
+            run_dav(opts, table, x["do"], x["u"], value, torch.empty(n, 4, C, C), x["dvs"])
     with pytest.raises((ValueError, TypeError), match="seq_rows"):
         run_walk_fwd(opts, table, seq[None].long(), **args)
     with pytest.raises((ValueError, TypeError), match="seq_rows"):
